@@ -1,0 +1,35 @@
+"""The public entry point, :func:`maxsim`."""
+
+from __future__ import annotations
+
+import torch
+
+from ._layout import canonicalize
+from .ops import maxsim_fwd
+
+
+def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude", smooth_tau=None):
+    """Late-interaction (MaxSim) scores, computed tile by tile without the similarity tensor.
+
+    Args:
+        queries: ``[Nq, Lq, d]`` (or ``[Lq, d]`` for one query: the output then drops the query axis).
+        documents: ``[B, Ld, d]`` -> scores ``[Nq, B]`` (every query against every document);
+            ``[Nq, K, Ld, d]`` -> ``[Nq, K]`` (each query against its own K candidates);
+            a list of B ``[Ld_i, d]`` tensors or :class:`PackedDocuments` -> ``[Nq, B]``, no padding computed.
+        queries_mask: ``[Nq, Lq]``, bool or 0/1; a masked query token contributes 0.
+        documents_mask: ``[B, Ld]`` / ``[Nq, K, Ld]`` / one ``[Ld_i]`` per listed document, any pattern.
+        masked: ``"exclude"`` (masked document tokens take no part; no valid token -> the query token adds 0)
+            or ``"zero"`` (masked document tokens count as similarity 0, as PyLate and colpali-engine compute).
+        smooth_tau: None for the hard max, or tau > 0 for ``tau * logsumexp(s / tau)`` over document tokens.
+
+    Returns:
+        float32 scores. fp16/bf16 products accumulate in fp32; fp32 inputs follow
+        ``torch.get_float32_matmul_precision()``. Differentiable w.r.t. queries and documents.
+        See ``docs/semantics.md`` and :func:`flash_maxsim.reference.maxsim` for the exact definition.
+    """
+    p = canonicalize(queries, documents, queries_mask, documents_mask, masked=masked, smooth_tau=smooth_tau)
+    save_aux = torch.is_grad_enabled() and (p.queries.requires_grad or p.documents.requires_grad)
+    tau = None if smooth_tau is None else float(smooth_tau)
+    scores, _ = maxsim_fwd(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length,
+                           p.candidates, masked == "zero", tau, save_aux)
+    return scores[0] if p.single_query else scores

@@ -1,0 +1,203 @@
+"""Validation of the public inputs and their reduction to one canonical form shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MASKED_MODES = ("exclude", "zero")
+
+
+class PackedDocuments(NamedTuple):
+    """Ragged documents without padding: ``values`` ``[sum Ld_t, d]``, ``offsets`` ``[T + 1]`` (int, starts at
+    0, non-decreasing): document ``t`` is ``values[offsets[t]:offsets[t + 1]]``. ``max_length`` (optional) is
+    the longest document; given, it saves one device-to-host read in the backward."""
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    max_length: Optional[int] = None
+
+
+def pack(documents: Sequence[torch.Tensor]) -> PackedDocuments:
+    """Concatenate a list of ``[Ld_t, d]`` tensors into :class:`PackedDocuments` (differentiable)."""
+    documents = list(documents)
+    if not documents:
+        raise ValueError("pack: `documents` is an empty list; expected at least one [Ld, d] tensor")
+    lengths = [int(x.shape[0]) for x in documents]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return PackedDocuments(torch.cat(documents, 0), offsets.to(documents[0].device), max(lengths))
+
+
+@dataclass
+class Problem:
+    """The canonical problem. ``documents`` is padded ``[T, Ld, d]`` (``offsets`` None) or packed
+    ``[sum Ld_t, d]``; masks are uint8 (1 = valid) or None; ``candidates`` K > 0 means document
+    ``t = q*K + k`` is query ``q``'s k-th candidate, 0 means every query meets every document."""
+
+    queries: torch.Tensor
+    queries_mask: Optional[torch.Tensor]
+    documents: torch.Tensor
+    documents_mask: Optional[torch.Tensor]
+    offsets: Optional[torch.Tensor]
+    max_length: int
+    candidates: int
+    single_query: bool
+
+    @property
+    def num_columns(self) -> int:
+        if self.candidates:
+            return self.candidates
+        return self.documents.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
+
+
+def _shape(x) -> str:
+    return "x".join(str(s) for s in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _as_mask(name: str, mask, expected_shape: tuple, device) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    _check_tensor(name, mask)
+    if tuple(mask.shape) != tuple(expected_shape):
+        want = "[" + ", ".join(str(s) for s in expected_shape) + "]"
+        raise ValueError(f"`{name}` has shape [{_shape(mask)}]; expected {want} (bool or 0/1 values)")
+    if mask.device != device:
+        raise ValueError(f"`{name}` is on {mask.device}; expected the queries' device {device}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"`{name}` has dtype {mask.dtype}; expected bool or a real 0/1 dtype")
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return (mask != 0).view(torch.uint8)
+
+
+def _check_floating(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`{name}` has dtype {x.dtype}; expected one of float16, bfloat16, float32")
+    if x.dtype != dtype:
+        raise TypeError(f"`{name}` has dtype {x.dtype} but `queries` has {dtype}; cast one of them so both match")
+
+
+def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude",
+                 smooth_tau=None) -> Problem:
+    _check_tensor("queries", queries)
+    if queries.dim() not in (2, 3):
+        raise ValueError(f"`queries` has shape [{_shape(queries)}]; expected [Nq, Lq, d] or [Lq, d]")
+    if queries.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`queries` has dtype {queries.dtype}; expected one of float16, bfloat16, float32")
+    if masked not in MASKED_MODES:
+        raise ValueError(f"`masked` must be 'exclude' or 'zero', got {masked!r}")
+    if smooth_tau is not None:
+        if isinstance(smooth_tau, bool) or not isinstance(smooth_tau, (int, float)):
+            raise TypeError(f"`smooth_tau` must be a float > 0 or None, got {type(smooth_tau).__name__}")
+        if not smooth_tau > 0:
+            raise ValueError(f"`smooth_tau` must be > 0, got {smooth_tau}")
+    single = queries.dim() == 2
+    Q = queries.unsqueeze(0) if single else queries
+    Nq, Lq, d = Q.shape
+    if d < 1:
+        raise ValueError(f"`queries` has shape [{_shape(queries)}]; the feature size d must be >= 1")
+    device = Q.device
+    qmask = queries_mask
+    if qmask is not None and single and isinstance(qmask, torch.Tensor) and qmask.dim() == 1:
+        qmask = qmask.unsqueeze(0)
+    qmask = _as_mask("queries_mask", qmask, (Nq, Lq), device)
+
+    def check_docs(name, x):
+        _check_floating(name, x, Q.dtype)
+        if x.device != device:
+            raise ValueError(f"`{name}` is on {x.device}; expected the queries' device {device}")
+        if x.shape[-1] != d:
+            raise ValueError(f"`{name}` has feature size {x.shape[-1]} (shape [{_shape(x)}]); "
+                             f"expected d={d} as in `queries`")
+
+    offsets = None
+    candidates = 0
+    if isinstance(documents, (PackedDocuments, tuple)) and len(documents) in (2, 3) \
+            and all(isinstance(v, torch.Tensor) for v in documents[:2]):
+        values, offsets = documents[0], documents[1]
+        max_length = documents[2] if len(documents) == 3 else None
+        if values.dim() != 2:
+            raise ValueError(f"packed `documents.values` has shape [{_shape(values)}]; expected [sum Ld, d]")
+        check_docs("documents.values", values)
+        if offsets.dim() != 1 or offsets.shape[0] < 1 or offsets.dtype.is_floating_point:
+            raise ValueError(f"`documents.offsets` has shape [{_shape(offsets)}], dtype {offsets.dtype}; "
+                             "expected an integer tensor [T + 1]")
+        if offsets.device != device:
+            raise ValueError(f"`documents.offsets` is on {offsets.device}; expected {device}")
+        offsets = offsets.to(torch.int64).contiguous()
+        if max_length is None:
+            # one host read validates the offsets and finds the longest document; `pack` supplies max_length
+            lengths = offsets[1:] - offsets[:-1]
+            first, last, shortest, longest = torch.stack([
+                offsets[0], offsets[-1],
+                lengths.min() if lengths.numel() else offsets[0] * 0,
+                lengths.max() if lengths.numel() else offsets[0] * 0]).tolist()
+            if first != 0 or last != values.shape[0] or shortest < 0:
+                raise ValueError(f"`documents.offsets` must start at 0, never decrease and end at "
+                                 f"values.shape[0]={values.shape[0]}; got first={first}, last={last}")
+            max_length = longest
+        docs = values
+        dmask = _as_mask("documents_mask", documents_mask, (values.shape[0],), device) \
+            if documents_mask is None or isinstance(documents_mask, torch.Tensor) else \
+            _as_mask("documents_mask", torch.cat([torch.as_tensor(m) for m in documents_mask]), (values.shape[0],), device)
+    elif isinstance(documents, torch.Tensor):
+        if documents.dim() == 3:
+            check_docs("documents", documents)
+            docs = documents
+            dmask = _as_mask("documents_mask", documents_mask, documents.shape[:2], device)
+        elif documents.dim() == 4:
+            check_docs("documents", documents)
+            if documents.shape[0] != Nq:
+                raise ValueError(f"`documents` has shape [{_shape(documents)}]: the per-query candidate layout "
+                                 f"[Nq, K, Ld, d] needs Nq={Nq} as in `queries`")
+            candidates = documents.shape[1]
+            dmask = _as_mask("documents_mask", documents_mask, documents.shape[:3], device)
+            docs = documents.reshape(Nq * candidates, *documents.shape[2:])
+            if dmask is not None:
+                dmask = dmask.reshape(Nq * candidates, documents.shape[2])
+        else:
+            raise ValueError(f"`documents` has shape [{_shape(documents)}]; expected [B, Ld, d], [Nq, K, Ld, d], "
+                             "a list of [Ld_i, d] tensors or PackedDocuments(values, offsets)")
+        max_length = docs.shape[1]
+    elif isinstance(documents, (list, tuple)):
+        if not documents:
+            docs = Q.new_zeros((0, 1, d))
+            max_length = 1
+            dmask = None
+        else:
+            for i, x in enumerate(documents):
+                _check_tensor(f"documents[{i}]", x)
+                if x.dim() != 2:
+                    raise ValueError(f"`documents[{i}]` has shape [{_shape(x)}]; expected [Ld_i, d]")
+                check_docs(f"documents[{i}]", x)
+            packed = pack(documents)
+            docs, offsets, max_length = packed
+            if documents_mask is None:
+                dmask = None
+            else:
+                if isinstance(documents_mask, torch.Tensor) and documents_mask.dim() == 1:
+                    flat = documents_mask
+                else:
+                    if len(documents_mask) != len(documents):
+                        raise ValueError(f"`documents_mask` has {len(documents_mask)} entries; expected one "
+                                         f"[Ld_i] mask per document ({len(documents)})")
+                    for i, (m, x) in enumerate(zip(documents_mask, documents)):
+                        if tuple(torch.as_tensor(m).shape) != (x.shape[0],):
+                            raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(torch.as_tensor(m))}]; "
+                                             f"expected [{x.shape[0]}]")
+                    flat = torch.cat([torch.as_tensor(m, device=device) for m in documents_mask])
+                dmask = _as_mask("documents_mask", flat, (docs.shape[0],), device)
+    else:
+        raise TypeError(f"`documents` must be a tensor, a list of tensors or PackedDocuments, "
+                        f"got {type(documents).__name__}")
+
+    return Problem(Q, qmask, docs, dmask, offsets, int(max_length), int(candidates), single)

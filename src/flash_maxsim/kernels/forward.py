@@ -1,0 +1,171 @@
+"""Fused MaxSim forward kernel.
+
+One program scores a tile of query-token rows against one document. The rows are ``QPB`` queries times
+``TOKB`` tokens (``TOKB`` a power of two >= Lq, or a slice of a long query, see ``split``). The program streams
+the document ``BLOCK_N`` tokens at a time, computes the similarity tile ``S = Q_rows @ D_tile^T`` in registers
+(tensor cores through ``tl.dot``), applies the masks and folds the tile into a running max (hard) or a running
+log-sum-exp (smooth). Nothing of size rows x Ld leaves the chip.
+
+Writes, per program, ``QPB`` partial scores (one per query) into ``OUT[split, q, col]`` and, when the caller
+will differentiate, one auxiliary value per row into ``AUX[q, col, token]``: the index of the first arg-max
+document token (-1: no gradient) or the row's log-sum-exp (+inf: no gradient).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_int(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _similarity_tile(
+    q_tile, Q, q_row_off, row_ok, D, d_row_off, col_ok, d_cols0,
+    stride_qd, stride_dd, d,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """S[rows, cols] = <q_row, d_col>, fp32 accumulation. With one d-chunk the query tile is already loaded."""
+    if D_CHUNKS == 1:
+        dmask = col_ok[:, None] & (d_cols0[None, :] < d)
+        d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, mask=dmask, other=0.0)
+        if UPCAST:
+            d_tile = d_tile.to(tl.float32)
+        s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
+    else:
+        s = tl.zeros((q_row_off.shape[0], d_row_off.shape[0]), dtype=tl.float32)
+        for kc in range(D_CHUNKS):
+            cols = kc * BLOCK_D + d_cols0
+            qk = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
+                         mask=row_ok[:, None] & (cols[None, :] < d), other=0.0)
+            dk = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
+                         mask=col_ok[:, None] & (cols[None, :] < d), other=0.0)
+            if UPCAST:
+                qk = qk.to(tl.float32)
+                dk = dk.to(tl.float32)
+            s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def maxsim_fwd_kernel(
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX,
+    Nq, Lq, d, Ld, K,
+    n_qblocks, n_splits,
+    stride_qn, stride_ql, stride_qd,
+    stride_dt, stride_dl, stride_dd,
+    stride_qmn, stride_qml,
+    stride_dmt, stride_dml,
+    stride_os, stride_on, stride_oc,
+    stride_an, stride_ac, stride_al,
+    tau, inv_tau_log2e,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = QPB * TOKB
+    pid = tl.program_id(0).to(tl.int64)
+    per_doc = n_qblocks * n_splits
+    t = pid // per_doc                       # document index (flattened candidates when PAIRED)
+    rem = pid % per_doc
+    qb = rem // n_splits
+    split = rem % n_splits
+
+    rows = tl.arange(0, BLOCK_M)
+    if PAIRED:
+        q0 = t // K
+        col = t % K
+    else:
+        q0 = qb * QPB
+        col = t
+    qidx = q0 + rows // TOKB
+    tok = split * TOKB + rows % TOKB
+    row_ok = (qidx < Nq) & (tok < Lq)
+    if HAS_QMASK:
+        qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
+        row_ok = row_ok & (qm != 0)
+    q_row_off = qidx * stride_qn + tok * stride_ql
+
+    if RAGGED:
+        start = tl.load(OFFSETS + t).to(tl.int64)
+        dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
+        d_base = start * stride_dl
+        m_base = start * stride_dml
+    else:
+        dlen = Ld
+        d_base = t * stride_dt
+        m_base = t * stride_dmt
+
+    d_cols0 = tl.arange(0, BLOCK_D)
+    q_tile = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if D_CHUNKS == 1:
+        q_tile = tl.load(Q + q_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_qd,
+                         mask=row_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
+        if UPCAST:
+            q_tile = q_tile.to(tl.float32)
+
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    if SMOOTH:
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
+
+    ncols = tl.arange(0, BLOCK_N)
+    for n0 in range(0, dlen, BLOCK_N):
+        n = n0 + ncols
+        in_range = n < dlen
+        s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
+                             stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+        if HAS_DMASK:
+            dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
+            valid = in_range & (dm != 0)
+        else:
+            valid = in_range
+        if ZERO_MASKED:
+            # masked tokens inside the document count as similarity 0; tokens past its end do not exist
+            s = tl.where(valid[None, :], s, tl.where(in_range[None, :], 0.0, float("-inf")))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        tile_max = tl.reduce(s, 1, _max_propagating_nan)
+        if SMOOTH:
+            m_new = _max_propagating_nan(m, tile_max)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2((m - m_safe) * inv_tau_log2e)
+            p = tl.exp2((s - m_safe[:, None]) * inv_tau_log2e)
+            acc = acc * alpha + tl.sum(p, 1)
+            m = m_new
+        else:
+            if SAVE_AUX:
+                # first arg-max inside the tile; strict '>' across tiles keeps the earliest on ties
+                first = tl.reduce(tl.where(s == tile_max[:, None], n[None, :], 2147483647), 1, _min_int)
+                arg = tl.where(tile_max > m, first.to(tl.int32), arg)
+            m = _max_propagating_nan(m, tile_max)
+
+    if SMOOTH:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        has_any = acc > 0.0
+        row_val = tl.where(has_any, m_safe + tau * tl.log(acc), 0.0)
+        aux = tl.where(has_any & row_ok, row_val, float("inf"))
+    else:
+        row_val = tl.where(m == float("-inf"), 0.0, m)
+        if SAVE_AUX:
+            if ZERO_MASKED:
+                if HAS_DMASK:
+                    # the max may sit on a masked (constant-zero) token: no gradient flows there
+                    hit = tl.load(DMASK + m_base + arg.to(tl.int64) * stride_dml, mask=row_ok & (arg >= 0), other=0)
+                    arg = tl.where(hit != 0, arg, -1)
+            aux = tl.where(row_ok, arg, -1)
+    row_val = tl.where(row_ok, row_val, 0.0)
+
+    per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
+    qs = q0 + tl.arange(0, QPB)
+    tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
+    if SAVE_AUX:
+        tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux, mask=(qidx < Nq) & (tok < Lq))

@@ -1,0 +1,155 @@
+"""The operator layer: ``torch.library`` custom ops with fake (meta) implementations and autograd.
+
+``torch.ops.flash_maxsim.maxsim_fwd`` and ``torch.ops.flash_maxsim.maxsim_bwd`` take the canonical problem
+(see ``flash_maxsim._layout.Problem``) as plain tensors and numbers, so that ``torch.compile(fullgraph=True)``
+traces through them and CUDA graphs can capture them. They dispatch to the Triton kernels for CUDA tensors (and
+for CPU tensors under ``TRITON_INTERPRET=1``) and to the exact chunked PyTorch path otherwise.
+
+Most users want :func:`flash_maxsim.maxsim`; :func:`maxsim_backward` is the functional backward, with the
+option of fp32 gradients whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _cpu
+from ._layout import Problem
+from .kernels import launch
+
+_LIB = "flash_maxsim"
+
+
+_forced_backend: Optional[str] = None
+
+
+@contextlib.contextmanager
+def force_backend(name: Optional[str]):
+    """Run the ops on one backend: ``"triton"`` (CUDA, or CPU when the kernels are interpreted) or ``"torch"``
+    (the chunked PyTorch path). For tests and comparisons; not thread-safe."""
+    global _forced_backend
+    if name not in (None, "triton", "torch"):
+        raise ValueError(f"`name` must be 'triton', 'torch' or None, got {name!r}")
+    if name == "triton" and not launch.interpreting() and not torch.cuda.is_available():
+        raise RuntimeError("the Triton backend needs CUDA or TRITON_INTERPRET=1 set before importing flash_maxsim")
+    previous, _forced_backend = _forced_backend, name
+    try:
+        yield
+    finally:
+        _forced_backend = previous
+
+
+def _use_triton(x: Tensor) -> bool:
+    if _forced_backend is not None:
+        return _forced_backend == "triton"
+    return x.device.type == "cuda" or (x.device.type == "cpu" and launch.interpreting())
+
+
+def _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates) -> Problem:
+    return Problem(queries, queries_mask, documents, documents_mask, offsets, max_length, candidates, False)
+
+
+def _aux_dtype(smooth_tau):
+    return torch.float32 if smooth_tau is not None else torch.int32
+
+
+@torch.library.custom_op(f"{_LIB}::maxsim_fwd", mutates_args=())
+def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
+               documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, candidates: int,
+               zero_masked: bool, smooth_tau: Optional[float], save_aux: bool) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty)."""
+    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates)
+    Nq, Lq, _ = queries.shape
+    C = p.num_columns
+    if Nq == 0 or C == 0 or Lq == 0:
+        aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
+        fill = float("inf") if smooth_tau is not None else -1
+        return (queries.new_zeros((Nq, C), dtype=torch.float32),
+                torch.full(aux_shape, fill, dtype=_aux_dtype(smooth_tau), device=queries.device))
+    if _use_triton(queries):
+        return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
+                              zero_masked, smooth_tau, save_aux)
+    return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
+
+
+@maxsim_fwd.register_fake
+def _(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, zero_masked,
+      smooth_tau, save_aux):
+    Nq, Lq, _ = queries.shape
+    if candidates:
+        C = candidates
+    elif offsets is not None:
+        C = offsets.shape[0] - 1
+    else:
+        C = documents.shape[0]
+    aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
+    return (queries.new_empty((Nq, C), dtype=torch.float32),
+            queries.new_empty(aux_shape, dtype=_aux_dtype(smooth_tau)))
+
+
+@torch.library.custom_op(f"{_LIB}::maxsim_bwd", mutates_args=())
+def maxsim_bwd(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
+               documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, aux: Tensor,
+               candidates: int, smooth_tau: Optional[float], need_queries_grad: bool,
+               need_documents_grad: bool, fp32_grads: bool) -> tuple[Tensor, Tensor]:
+    """Gradients w.r.t. queries and documents (an empty tensor for one not asked for)."""
+    grad_dtype = torch.float32 if fp32_grads else None
+    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates)
+    Nq, Lq, _ = queries.shape
+    if Nq == 0 or p.num_columns == 0 or Lq == 0:
+        dq = torch.zeros(queries.shape, dtype=grad_dtype or queries.dtype, device=queries.device)
+        dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=documents.device)
+    elif _use_triton(queries):
+        dq, dd = launch.backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux,
+                                 candidates, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
+    else:
+        dq, dd = _cpu.backward(grad, p, aux, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
+    empty = queries.new_empty((0,), dtype=grad_dtype or queries.dtype)
+    return (dq if need_queries_grad else empty), (dd if need_documents_grad else empty.clone())
+
+
+@maxsim_bwd.register_fake
+def _(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux, candidates, smooth_tau,
+      need_queries_grad, need_documents_grad, fp32_grads):
+    qdt = torch.float32 if fp32_grads else queries.dtype
+    ddt = torch.float32 if fp32_grads else documents.dtype
+    dq = queries.new_empty(queries.shape if need_queries_grad else (0,), dtype=qdt)
+    dd = documents.new_empty(documents.shape if need_documents_grad else (0,), dtype=ddt)
+    return dq, dd
+
+
+def _setup_context(ctx, inputs, output):
+    queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, _, smooth_tau, save_aux = inputs
+    _, aux = output
+    ctx.save_for_backward(queries, documents, queries_mask, documents_mask, offsets, aux)
+    ctx.max_length, ctx.candidates, ctx.smooth_tau, ctx.save_aux = max_length, candidates, smooth_tau, save_aux
+
+
+def _backward(ctx, grad_scores, _grad_aux):
+    queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
+    need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_q or need_d):
+        return (None,) * 10
+    if not ctx.save_aux:
+        raise RuntimeError("flash_maxsim: the forward ran with save_aux=False (no gradient expected); "
+                           "call flash_maxsim.maxsim with inputs that require grad")
+    dq, dd = maxsim_bwd(grad_scores, queries, documents, queries_mask, documents_mask, offsets, ctx.max_length,
+                        aux, ctx.candidates, ctx.smooth_tau, need_q, need_d, False)
+    return (dq if need_q else None), (dd if need_d else None), None, None, None, None, None, None, None, None
+
+
+maxsim_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def maxsim_backward(grad_scores: Tensor, problem: Problem, aux: Tensor, smooth_tau: Optional[float] = None, *,
+                    fp32_grads: bool = False) -> tuple[Tensor, Tensor]:
+    """Functional backward on a canonical problem; ``fp32_grads=True`` returns fp32 gradients for any input
+    dtype (autograd through :func:`flash_maxsim.maxsim` returns them in the inputs' dtype)."""
+    p = problem
+    grad_scores = grad_scores.unsqueeze(0) if grad_scores.dim() == 1 else grad_scores
+    return maxsim_bwd(grad_scores, p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
+                      p.max_length, aux, p.candidates, smooth_tau, True, True, fp32_grads)
