@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run every test suite on a fresh machine (no GPU needed): builds the environments it needs under .venvs/,
+# then runs each suite listed in tests/suites.tsv in its own environment. GPU tests skip without CUDA.
+#
+#   bash scripts/test.sh            all suites
+#   bash scripts/test.sh core       only the suites whose name starts with "core"
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+only="${1:-}"
+mkdir -p .cache/junit
+rm -f .cache/junit/*.xml
+status=0
+while IFS=$'\t' read -r name envname path pipargs; do
+  case "$name" in ''|\#*) continue ;; esac
+  [ -n "$only" ] && [[ "$name" != "$only"* ]] && continue
+  echo "=== suite $name (env $envname) ==="
+  # shellcheck disable=SC2086
+  py="$(bash scripts/env.sh "$envname" $pipargs | tail -n 1)" || { echo "suite $name: environment failed"; status=1; continue; }
+  "$py" -m pytest "$path" -q -p no:cacheprovider --junitxml=".cache/junit/$name.xml" -o junit_suite_name="$name"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then echo "suite $name: pytest exited $rc"; status=1; fi
+done < tests/suites.tsv
+python3 - <<'PY'
+import glob, xml.etree.ElementTree as ET
+t = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for f in sorted(glob.glob(".cache/junit/*.xml")):
+    for s in ET.parse(f).getroot().iter("testsuite"):
+        for k in t:
+            t[k] += int(s.get(k, 0))
+passed = t["tests"] - t["failures"] - t["errors"] - t["skipped"]
+print(f"all suites: {passed} passed, {t['failures'] + t['errors']} failed, {t['skipped']} skipped")
+PY
+exit $status
