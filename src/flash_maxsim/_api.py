@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from ._layout import canonicalize
-from .ops import maxsim_fwd
+from .ops import scores
 
 
 def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude", smooth_tau=None):
@@ -28,8 +26,5 @@ def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked
         See ``docs/semantics.md`` and :func:`flash_maxsim.reference.maxsim` for the exact definition.
     """
     p = canonicalize(queries, documents, queries_mask, documents_mask, masked=masked, smooth_tau=smooth_tau)
-    save_aux = torch.is_grad_enabled() and (p.queries.requires_grad or p.documents.requires_grad)
-    tau = None if smooth_tau is None else float(smooth_tau)
-    scores, _ = maxsim_fwd(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length,
-                           p.candidates, masked == "zero", tau, save_aux)
-    return scores[0] if p.single_query else scores
+    out = scores(p, masked == "zero", None if smooth_tau is None else float(smooth_tau))
+    return out[0] if p.single_query else out

@@ -1,0 +1,195 @@
+"""Kernel developer's round on the GPU: correctness of every kernel variant against the float64 reference,
+then forward and training-step timings against eager PyTorch. One call does a whole round.
+
+    python benchmarks/kernel_check.py [--quick] [--json OUT.json]
+
+Not the published benchmark (that is benchmarks/bench.py, with peers and the roofline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import flash_maxsim as fm
+from flash_maxsim import reference
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_case(name, q, d, qm, dm, masked, tau, tol, grad=True):
+    q = q.detach().requires_grad_(grad)
+    dd = d if isinstance(d, list) else d.detach().requires_grad_(grad)
+    out = fm.maxsim(q, dd, qm, dm, masked=masked, smooth_tau=tau)
+    q64 = q.detach().double().requires_grad_(grad)
+    d64 = [x.detach().double() for x in d] if isinstance(d, list) else d.detach().double().requires_grad_(grad)
+    # the reference takes float64 through its own code path (it never calls the kernels)
+    ref = reference.maxsim(q64, d64, qm, dm, masked=masked, smooth_tau=tau)
+    errs = {"fwd": rel_err(out, ref)}
+    if grad and not isinstance(d, list):
+        g = torch.randn_like(out)
+        (out * g).sum().backward()
+        (ref * g.double()).sum().backward()
+        errs["dq"] = rel_err(q.grad, q64.grad)
+        errs["dd"] = rel_err(dd.grad, d64.grad)
+    ok = all(v <= tol for v in errs.values())
+    print(f"{'ok ' if ok else 'BAD'} {name:60s} " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()), flush=True)
+    return ok
+
+
+def correctness(dev):
+    torch.manual_seed(0)
+    oks = []
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+    torch.set_float32_matmul_precision("highest")
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for masked in ("exclude", "zero"):
+            for tau in (None, 0.1):
+                for (Nq, B, Lq, Ld, d) in ((3, 5, 32, 300, 128), (2, 3, 1, 17, 96), (4, 6, 20, 70, 64),
+                                           (1, 2, 1024, 257, 128), (2, 3, 13, 40, 384), (2, 2, 7, 33, 1024)):
+                    q = torch.randn(Nq, Lq, d, device=dev, dtype=dt)
+                    docs = torch.randn(B, Ld, d, device=dev, dtype=dt)
+                    qm = torch.rand(Nq, Lq, device=dev) > 0.2
+                    dm = torch.rand(B, Ld, device=dev) > 0.3
+                    dm[0] = False
+                    oks.append(check_case(f"{dt} {masked} tau={tau} inbatch {Nq}x{B} {Lq}x{Ld} d={d}",
+                                          q, docs, qm, dm, masked, tau, tol[dt]))
+                K = 3
+                q = torch.randn(4, 24, 128, device=dev, dtype=dt)
+                docs = torch.randn(4, K, 90, 128, device=dev, dtype=dt)
+                dm = torch.rand(4, K, 90, device=dev) > 0.3
+                oks.append(check_case(f"{dt} {masked} tau=None paired 4x{K}", q, docs, None, dm, masked, None, tol[dt]))
+                oks.append(check_case(f"{dt} {masked} tau=0.1 paired 4x{K}", q, docs, None, dm, masked, 0.1, tol[dt]))
+                ragged = [torch.randn(n, 128, device=dev, dtype=dt) for n in (5, 300, 0, 77, 1)]
+                oks.append(check_case(f"{dt} {masked} ragged list", q, ragged, None, None, masked, None, tol[dt]))
+                packed = fm.pack([torch.randn(n, 96, device=dev, dtype=dt) for n in (65, 3, 129)])
+                vals = packed.values.detach().requires_grad_()
+                qq = torch.randn(3, 9, 96, device=dev, dtype=dt, requires_grad=True)
+                out = fm.maxsim(qq, fm.PackedDocuments(vals, packed.offsets, packed.max_length), masked=masked, smooth_tau=0.2)
+                ref_in = fm.PackedDocuments(vals.detach().double().requires_grad_(), packed.offsets)
+                q64 = qq.detach().double().requires_grad_()
+                ref = reference.maxsim(q64, (ref_in.values, ref_in.offsets), masked=masked, smooth_tau=0.2)
+                g = torch.randn_like(out)
+                (out * g).sum().backward(); (ref * g.double()).sum().backward()
+                e = (rel_err(out, ref), rel_err(qq.grad, q64.grad), rel_err(vals.grad, ref_in.values.grad))
+                ok = max(e) <= tol[dt]
+                print(f"{'ok ' if ok else 'BAD'} {str(dt) + ' ' + masked + ' packed smooth':60s} fwd={e[0]:.1e} dq={e[1]:.1e} dd={e[2]:.1e}")
+                oks.append(ok)
+    torch.set_float32_matmul_precision("highest")
+    return all(oks)
+
+
+def bench(fn, reps=50):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def peak_mb(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+FORWARD_SHAPES = [  # (Nq, B, Lq, Ld, d)
+    (1, 1000, 32, 300, 128), (1, 10000, 32, 300, 128), (1, 1000, 32, 1024, 128), (1, 10000, 32, 1030, 128),
+    (1, 1000, 128, 1024, 128), (1, 1000, 512, 1024, 128), (1, 1000, 1024, 1024, 128),
+    (1, 10000, 1024, 1024, 128), (64, 1000, 32, 300, 128), (16, 32, 32, 8192, 128), (1, 10000, 32, 180, 384),
+    (1, 5000, 31, 257, 96),
+]
+
+
+def forward_table(dev, quick):
+    rows = []
+    for Nq, B, Lq, Ld, d in FORWARD_SHAPES:
+        q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
+        docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
+        ours = bench(lambda: fm.maxsim(q, docs))
+        sim_bytes = Nq * B * Lq * Ld * 2
+        eager = bench(lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1)) \
+            if sim_bytes < 24e9 and not quick else float("nan")
+        flops = 2 * Nq * B * Lq * Ld * d
+        nbytes = (q.numel() + docs.numel()) * 2
+        rows.append(dict(shape=f"{Nq}x{B} {Lq}x{Ld} d={d}", ours_ms=ours, eager_ms=eager,
+                         tflops=flops / ours / 1e9, tbps=nbytes / ours / 1e9))
+        r = rows[-1]
+        print(f"{r['shape']:28s} ours {ours:8.3f} ms  eager {eager:8.3f} ms  {r['tflops']:6.1f} TFLOP/s  {r['tbps']:5.2f} TB/s", flush=True)
+        del q, docs
+    return rows
+
+
+def train_table(dev):
+    rows = []
+    cases = [("colbert inbatch B128 32x300", 128, 128, 32, 300, None, 0),
+             ("colbert B64+7neg 32x300", 64, 512, 32, 300, None, 0),
+             ("colpali inbatch B64 32x1030", 64, 64, 32, 1030, None, 0),
+             ("colpali inbatch B256 32x1030", 256, 256, 32, 1030, None, 0),
+             ("colpali smooth B128 32x1030", 128, 128, 32, 1030, 0.1, 0),
+             ("KD 64q x 64cand 32x300", 64, 64, 32, 300, None, 64)]
+    for name, Nq, B, Lq, Ld, tau, K in cases:
+        q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        shape = (Nq, K, Ld, 128) if K else (B, Ld, 128)
+        docs = torch.randn(*shape, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.arange(Nq, device=dev) % B
+        target = torch.softmax(torch.randn(Nq, K or B, device=dev), -1)
+
+        def loss_of(scores):
+            if K:
+                return torch.nn.functional.kl_div(torch.log_softmax(scores, -1), target, reduction="batchmean")
+            return torch.nn.functional.cross_entropy(scores, labels)
+
+        def ours():
+            loss_of(fm.maxsim(q, docs, smooth_tau=tau)).backward()
+
+        def eager():
+            if K:
+                s = torch.einsum("qid,qkjd->qkij", q, docs)
+            else:
+                s = torch.einsum("qid,bjd->qbij", q, docs)
+            agg = s.amax(-1) if tau is None else tau * torch.logsumexp(s.float() / tau, -1)
+            loss_of(agg.float().sum(-1)).backward()
+
+        row = dict(case=name, ours_ms=bench(ours), ours_mb=peak_mb(ours))
+        try:
+            row["eager_ms"], row["eager_mb"] = bench(eager), peak_mb(eager)
+        except torch.OutOfMemoryError:
+            row["eager_ms"] = row["eager_mb"] = float("nan")
+        q.grad = None
+        docs.grad = None
+        rows.append(row)
+        print(f"{name:32s} ours {row['ours_ms']:7.3f} ms {row['ours_mb']:8.1f} MB   eager {row['eager_ms']:7.3f} ms {row['eager_mb']:9.1f} MB", flush=True)
+        del q, docs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args()
+    dev = "cuda"
+    t0 = time.time()
+    ok = True if args.skip_correctness else correctness(dev)
+    print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f}s)", flush=True)
+    torch.set_float32_matmul_precision("highest")
+    fwd = forward_table(dev, args.quick)
+    trn = train_table(dev)
+    if args.json:
+        json.dump(dict(correct=ok, forward=fwd, training=trn, device=torch.cuda.get_device_name()),
+                  open(args.json, "w"), indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""colpali-engine integration: one call routes every late-interaction loss and the processors' multi-vector
+scoring through :func:`flash_maxsim.maxsim`, with the library's own semantics.
+
+    from flash_maxsim.integrations import colpali as flash_colpali
+    flash_colpali.enable()          # before trainer.train() / processor.score(...)
+
+What ``enable()`` replaces (found by feature, colpali-engine 0.3.14 to 0.3.18; see ``SUPPORTED``):
+
+- 0.3.17 and later (``colpali_engine.utils.maxsim`` exists): ``maxsim_inbatch`` and ``maxsim_kd`` (in that module
+  and wherever they were imported by name), ``ColbertModule._inbatch_scores`` (serves ColbertLoss,
+  ColbertPairwiseCELoss and ColbertSigmoidLoss, hard and smooth max), and the ``forward`` of
+  ColbertNegativeCELoss and ColbertPairwiseNegativeCELoss, whose positive-pair and smooth-max MaxSim are inline
+  einsums with no helper to patch.
+- 0.3.14 to 0.3.16 (every loss computes its einsum inline): the ``forward`` of all five losses.
+- Every version: ``BaseVisualRetrieverProcessor.score_multi_vector``, which every processor's ``score`` calls.
+
+Semantics kept from the library:
+
+- The losses get zero-padded tensors and no mask. flash_maxsim is called with no mask either, so a padding token
+  is an ordinary token of similarity 0 (``masked="zero"``): it takes part in the hard max, and in the smooth max a
+  zero-padded query token adds ``tau * log(Ld)`` exactly as the library's logsumexp over the padded length does.
+- Everything around the MaxSim (length normalisation by ``query[:, :, 0] != 0``, the bound check,
+  ``pos_aware_negative_filtering``, ``offset``, the in-batch term and its weight, the loss formulas) is the
+  library's code path: its own helper methods are called, and the replaced forwards perform the same operations.
+- Scores are float32 (products accumulate in fp32), also for bf16/fp16 embeddings, where the library's einsum
+  returns (and sums in) the input dtype. Under ``torch.autocast`` both inputs are cast to the autocast dtype first,
+  as autocast does for the library's einsum.
+- Hard-max gradients: where several tokens tie for the max, flash_maxsim sends the gradient to the first of them,
+  torch's ``amax`` splits it evenly. Ties happen in practice only on padding (a zero query token ties with every
+  document token; a query token whose real similarities are all negative ties with every zero document token), and
+  every colpali-engine model multiplies its output by the attention mask, so those gradients never reach the model.
+- ``score_multi_vector`` scores a list of variable-length documents without padding them (packed, in chunks of at
+  most ``_CHUNK_TOKENS`` tokens, so a large pool needs no ``batch_size`` tuning). The library pads each group of
+  ``batch_size`` documents to the group's longest, which gives a shorter document extra similarity-0 tokens: a hard
+  max then never falls below 0. One zero token appended to exactly those documents reproduces this bit for bit
+  (one zero token and many give the same max), so ``batch_size`` still selects which documents those are.
+
+``FLASH_MAXSIM_DISABLE=1`` makes ``enable()`` a no-op; ``disable()`` restores the original objects.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import warnings
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import flash_maxsim
+from flash_maxsim._layout import PackedDocuments
+
+from ._patches import Integration, PatchSet
+
+__all__ = ["enable", "disable", "is_enabled", "enabled", "SUPPORTED"]
+
+SUPPORTED = ((0, 3, 14), (0, 3, 18))
+"""Oldest and newest colpali-engine releases whose losses these replacements reproduce (parity-tested: 0.3.16 and
+0.3.18; 0.3.14 to 0.3.16 ship the same loss module, 0.3.17 the same as 0.3.18). 0.3.13's ColbertSigmoidLoss has the
+opposite sign, older releases other loss signatures."""
+
+_CHUNK_TOKENS = 1 << 21
+"""Document tokens packed per scoring call in ``score_multi_vector``: bounds the device memory of the packed copy
+(2M tokens x 128 dims x 2 bytes = 512 MiB in bf16) whatever the pool size."""
+
+
+# --- MaxSim on the library's zero-padded tensors ------------------------------------------------------------------
+
+def _cast_like_autocast(queries: torch.Tensor, documents: torch.Tensor):
+    """Under autocast the library's einsum runs in the autocast dtype; the custom op is not autocast-aware."""
+    device_type = queries.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return queries.to(dtype), documents.to(dtype)
+    return queries, documents
+
+
+def _late_interaction(queries: torch.Tensor, documents, smooth_tau: Optional[float] = None) -> torch.Tensor:
+    """MaxSim of colpali-engine's zero-padded embeddings: no masks, so padding tokens are similarity-0 tokens.
+
+    ``documents`` ``[B, Ld, d]`` -> ``[Nq, B]``; ``[Nq, K, Ld, d]`` -> ``[Nq, K]`` (each query its own K)."""
+    queries, documents = _cast_like_autocast(queries, documents)
+    return flash_maxsim.maxsim(queries, documents, masked="zero", smooth_tau=smooth_tau)
+
+
+def _smooth_tau(loss) -> Optional[float]:
+    return float(loss.tau) if loss.use_smooth_max else None
+
+
+def _query_lengths(query_embeddings: torch.Tensor) -> torch.Tensor:
+    # the library's definition of a query's length: tokens whose first component is non-zero
+    return (query_embeddings[:, :, 0] != 0).sum(dim=1)
+
+
+def _inbatch_scores(self, query_embeddings: torch.Tensor, doc_embeddings: torch.Tensor) -> torch.Tensor:
+    """Every query against every document, ``[B_q, B_d]``, optionally length-normalised (library helper)."""
+    scores = _late_interaction(query_embeddings, doc_embeddings, _smooth_tau(self))
+    if self.normalize_scores:
+        scores = self._apply_normalization(scores, _query_lengths(query_embeddings))
+    return scores
+
+
+def _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings):
+    """Query ``b`` against its positive ``positives[b]`` -> ``[B]`` and its negatives -> ``[B, N]``."""
+    tau = _smooth_tau(self)
+    pos_scores = _late_interaction(query_embeddings, positives.unsqueeze(1), tau)[:, 0]
+    neg_scores = _late_interaction(query_embeddings, neg_doc_embeddings, tau)
+    if self.normalize_scores:
+        lengths = _query_lengths(query_embeddings)
+        pos_scores = self._apply_normalization(pos_scores, lengths)
+        neg_scores = self._apply_normalization(neg_scores, lengths)
+    return pos_scores, neg_scores
+
+
+# --- loss forwards (the library's operations around the MaxSim) ----------------------------------------------------
+
+def _colbert_loss_forward(self, query_embeddings, doc_embeddings, offset: int = 0):
+    scores = _inbatch_scores(self, query_embeddings, doc_embeddings)
+    _, pos_idx = self._get_idx(scores.size(0), offset, scores.device)
+    if self.pos_aware_negative_filtering:
+        self._filter_high_negatives(scores, pos_idx)
+    return self.ce_loss(scores / self.temperature, pos_idx)
+
+
+def _pairwise_ce_forward(self, query_embeddings, doc_embeddings, offset: int = 0):
+    scores = _inbatch_scores(self, query_embeddings, doc_embeddings)
+    _, pos_idx = self._get_idx(scores.size(0), offset, scores.device)
+    if self.pos_aware_negative_filtering:
+        self._filter_high_negatives(scores, pos_idx)
+    pos_scores = scores.diagonal(offset=offset)
+    best_two = scores.topk(2, dim=1).values
+    # the hardest negative: the best score unless that one is the positive itself
+    neg_scores = torch.where(best_two[:, 0] == pos_scores, best_two[:, 1], best_two[:, 0])
+    return F.softplus((neg_scores - pos_scores) / self.temperature).mean()
+
+
+def _sigmoid_forward(self, query_embeddings, doc_embeddings, offset: int = 0):
+    scores = _inbatch_scores(self, query_embeddings, doc_embeddings)
+    batch_size = scores.size(0)
+    _, pos_idx = self._get_idx(batch_size, offset, scores.device)
+    if self.pos_aware_negative_filtering:
+        self._filter_high_negatives(scores, pos_idx)
+    # label +1 at each query's positive, -1 elsewhere, on the flattened [B * B] scores (the library's layout)
+    labels = -torch.ones(batch_size * batch_size, device=scores.device)
+    labels[pos_idx * (batch_size + 1)] = 1.0
+    logits = scores.view(-1) / self.temperature
+    return F.softplus(-logits * labels).mean()
+
+
+def _negative_ce_forward(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset: int = 0):
+    positives = doc_embeddings[offset: offset + neg_doc_embeddings.size(0)]
+    pos_scores, neg_scores = _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings)
+    loss = F.softplus((neg_scores - pos_scores.unsqueeze(1)) / self.temperature).mean()
+    if self.in_batch_term_weight > 0:
+        in_batch = self.inner_loss(query_embeddings, doc_embeddings, offset)
+        loss = loss * (1 - self.in_batch_term_weight) + in_batch * self.in_batch_term_weight
+    return loss
+
+
+def _pairwise_negative_ce_forward(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset: int = 0):
+    positives = doc_embeddings[offset: offset + query_embeddings.size(0)]
+    pos_scores, neg_scores = _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings)
+    loss = F.softplus((neg_scores - pos_scores.unsqueeze(1)) / self.temperature).mean()
+    if self.in_batch_term_weight > 0:
+        in_batch = self.inner_pairwise(query_embeddings, doc_embeddings, offset)
+        loss = loss * (1 - self.in_batch_term_weight) + in_batch * self.in_batch_term_weight
+    return loss
+
+
+# --- utils.maxsim dispatch (0.3.17+) --------------------------------------------------------------------------------
+
+def _maxsim_inbatch(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """``[B_q, B_d]`` hard-max scores of zero-padded ``query [B_q, L_q, d]`` and ``doc [B_d, L_d, d]``."""
+    return _late_interaction(query, doc)
+
+
+def _maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` hard-max scores of zero-padded ``query [B, L_q, d]`` against its own ``doc [B, N, L_d, d]``."""
+    return _late_interaction(query, doc)
+
+
+# --- retrieval scoring ------------------------------------------------------------------------------------------------
+
+def _padded_by_library(lengths: List[int], batch_size: int) -> List[bool]:
+    """Which documents the library's per-batch ``pad_sequence`` lengthens (shorter than their batch's longest)."""
+    flags = []
+    for start in range(0, len(lengths), batch_size):
+        group = lengths[start:start + batch_size]
+        longest = max(group)
+        flags.extend(n < longest for n in group)
+    return flags
+
+
+def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
+    """Yield the passages in chunks of at most ``_CHUNK_TOKENS`` tokens, on ``device``, in flash_maxsim's
+    padded-tensor or packed layout."""
+    if isinstance(ps, torch.Tensor):
+        if ps.dim() != 3:
+            raise ValueError(f"`ps` has shape {list(ps.shape)}; expected [n_passages, sequence_length, dim] "
+                             "or a list of [sequence_length_i, dim] tensors")
+        # already padded to one length: the library's per-batch padding adds nothing
+        step = max(1, _CHUNK_TOKENS // max(int(ps.shape[1]), 1))
+        for start in range(0, ps.shape[0], step):
+            block = ps[start:start + step]
+            yield block.to(device)
+        return
+    ps = list(ps)
+    for i, p in enumerate(ps):
+        if not isinstance(p, torch.Tensor) or p.dim() != 2:
+            shape = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"`ps[{i}]` is {shape}; expected a [sequence_length, dim] tensor")
+    lengths = [int(p.shape[0]) for p in ps]
+    extra = _padded_by_library(lengths, batch_size)
+    start = 0
+    while start < len(ps):
+        stop, tokens = start, 0
+        while stop < len(ps) and (stop == start or tokens + lengths[stop] + 1 <= _CHUNK_TOKENS):
+            tokens += lengths[stop] + extra[stop]
+            stop += 1
+        home = ps[start].device
+        zero_token = ps[start].new_zeros((1, ps[start].shape[1]))
+        pieces, offsets = [], [0]
+        for i in range(start, stop):
+            pieces.append(ps[i].to(home))
+            if extra[i]:
+                pieces.append(zero_token)
+            offsets.append(offsets[-1] + lengths[i] + extra[i])
+        values = torch.cat(pieces).to(device)
+        longest = max(lengths[i] + extra[i] for i in range(start, stop))
+        offsets = torch.tensor(offsets, dtype=torch.int64, device=values.device)
+        yield PackedDocuments(values, offsets, longest)
+        start = stop
+
+
+def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Tensor:
+    """Late-interaction (MaxSim) scores ``[n_queries, n_passages]``, float32 on the CPU, equal to the library's.
+
+    ``qs`` / ``ps``: lists of ``[sequence_length_i, dim]`` tensors or padded ``[n, max_length, dim]`` tensors.
+    Passages are scored without padding, chunk by chunk, so memory does not grow with ``batch_size`` or the pool;
+    ``batch_size`` only names the groups the library would pad together (see the module notes)."""
+    from colpali_engine.utils import processing_utils
+
+    device = device or processing_utils.get_torch_device("auto")
+    if len(qs) == 0:
+        raise ValueError("No queries provided")
+    if len(ps) == 0:
+        raise ValueError("No passages provided")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+    if isinstance(qs, torch.Tensor):
+        queries = qs.to(device)
+    else:
+        # zero query tokens add exactly 0 to a hard max, so padding the queries changes no score
+        queries = torch.nn.utils.rnn.pad_sequence(list(qs), batch_first=True, padding_value=0).to(device)
+    columns = []
+    for documents in _document_chunks(ps, batch_size, device):
+        columns.append(_late_interaction(queries, documents).cpu())
+    return torch.cat(columns, dim=1).to(torch.float32)
+
+
+# --- installation ---------------------------------------------------------------------------------------------------
+
+def _version() -> Optional[Tuple[int, int, int]]:
+    try:
+        text = importlib.metadata.version("colpali-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
+_LOSS_CLASSES = ("ColbertLoss", "ColbertNegativeCELoss", "ColbertPairwiseCELoss", "ColbertPairwiseNegativeCELoss",
+                 "ColbertSigmoidLoss")
+_MODULE_HELPERS = ("_apply_normalization", "_get_idx", "_filter_high_negatives", "_aggregate")
+
+
+def _install(patches: PatchSet) -> None:
+    try:
+        from colpali_engine.loss import late_interaction_losses as losses
+        from colpali_engine.utils import processing_utils
+    except ImportError as error:
+        raise ImportError("flash_maxsim.integrations.colpali needs colpali-engine (pip install colpali-engine); "
+                          f"importing it failed: {error}") from error
+    version = _version()
+    shown = "unknown" if version is None else ".".join(map(str, version))
+    supported = " to ".join(".".join(map(str, v)) for v in SUPPORTED)
+    if version is not None and version < SUPPORTED[0]:
+        raise RuntimeError(f"flash_maxsim.integrations.colpali supports colpali-engine {supported}; "
+                           f"found {shown}, whose losses differ (upgrade colpali-engine)")
+    module = getattr(losses, "ColbertModule", None)
+    missing = [name for name in _LOSS_CLASSES if not hasattr(losses, name)]
+    missing += [f"ColbertModule.{name}" for name in _MODULE_HELPERS if module is None or not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(f"colpali-engine {shown} lacks {', '.join(missing)}; flash_maxsim supports "
+                           f"colpali-engine {supported}")
+    if version is not None and version > SUPPORTED[1]:
+        warnings.warn(f"flash_maxsim.integrations.colpali is tested with colpali-engine up to {supported}; "
+                      f"found {shown}: check its losses still match (tests/integrations/colpali)", stacklevel=3)
+
+    try:
+        from colpali_engine.utils import maxsim as dispatch
+    except ImportError:
+        dispatch = None
+    if dispatch is not None and hasattr(module, "_inbatch_scores"):
+        # 0.3.17+: the in-batch losses score through one helper; the dispatch functions are imported by name
+        patches.patch_aliases(dispatch.maxsim_inbatch, _maxsim_inbatch, ("colpali_engine",))
+        patches.patch_aliases(dispatch.maxsim_kd, _maxsim_kd, ("colpali_engine",))
+        patches.patch(module, "_inbatch_scores", _inbatch_scores)
+        forwards = {"ColbertNegativeCELoss": _negative_ce_forward,
+                    "ColbertPairwiseNegativeCELoss": _pairwise_negative_ce_forward}
+    else:
+        forwards = {"ColbertLoss": _colbert_loss_forward,
+                    "ColbertNegativeCELoss": _negative_ce_forward,
+                    "ColbertPairwiseCELoss": _pairwise_ce_forward,
+                    "ColbertPairwiseNegativeCELoss": _pairwise_negative_ce_forward,
+                    "ColbertSigmoidLoss": _sigmoid_forward}
+    for name, forward in forwards.items():
+        cls = getattr(losses, name)
+        patches.patch(cls, "forward", forward)
+
+    base = processing_utils.BaseVisualRetrieverProcessor
+    patches.patch(base, "score_multi_vector", staticmethod(_score_multi_vector))
+
+
+_integration = Integration("colpali-engine", _install)
+enable = _integration.enable
+disable = _integration.disable
+is_enabled = _integration.is_enabled
+enabled = _integration.enabled

