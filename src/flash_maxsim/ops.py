@@ -70,7 +70,7 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
                 torch.full(aux_shape, fill, dtype=_aux_dtype(smooth_tau), device=queries.device))
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
-                              zero_masked, smooth_tau, save_aux)
+                              zero_masked, smooth_tau, save_aux, max_length)
     return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
 
 

@@ -58,6 +58,7 @@ class Case:
     lengths: list = field(default_factory=list)
     num_queries: int = 0
     num_columns: int = 0
+    seed: int = 0
 
     # --- building the arguments from (possibly float64) leaves -------------------------------------------
     def leaves(self):
@@ -138,7 +139,7 @@ class Case:
         return 4 * math.sqrt(d) * FP32_UNIT_ROUNDOFF * qn * dn / self.smooth_tau
 
     def describe(self):
-        return (f"layout={self.layout} dtype={self.dtype} q={tuple(self.queries.shape)} lengths={self.lengths} "
+        return (f"seed={self.seed} layout={self.layout} dtype={self.dtype} q={tuple(self.queries.shape)} lengths={self.lengths} "
                 f"masked={self.masked} tau={self.smooth_tau} single={self.single_query} "
                 f"noncontig={self.noncontiguous} qmask={self.queries_mask is not None} "
                 f"dmask={self.documents_mask is not None}")
@@ -165,6 +166,9 @@ def make_case(*, layout, Nq, C, Lq, Ld, d, dtype=torch.float32, masked="exclude"
             lengths = torch.randint(0, Ld + 1, (T,), generator=g).tolist()
             if empty_doc and T:
                 lengths[int(torch.randint(0, T, (1,), generator=g))] = 0
+            if T and not any(lengths):
+                # every document empty is a known CPU-path bug, pinned by its own xfail test
+                lengths[int(torch.randint(0, T, (1,), generator=g))] = Ld
     lengths = list(lengths)
 
     def leaf(shape):
@@ -210,7 +214,7 @@ def make_case(*, layout, Nq, C, Lq, Ld, d, dtype=torch.float32, masked="exclude"
         if fully_masked_doc and T:
             rows[int(torch.randint(0, T, (1,), generator=g))].zero_()
     return Case(layout, dtype, queries, documents, qmask, dmask, offsets, masked, smooth_tau, single_query,
-                noncontiguous, lengths, Nq, C)
+                noncontiguous, lengths, Nq, C, seed)
 
 
 # --- oracles -------------------------------------------------------------------------------------------------
@@ -257,16 +261,25 @@ def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto"):
     """float64 scores and gradients w.r.t. the leaves. Hard max uses :func:`first_argmax_maxsim` (first
     arg-max tie rule); smooth max uses autograd of ``flash_maxsim.reference.maxsim`` (softmax weights)."""
     leaves64 = [x.detach().double().requires_grad_(True) for x in case.leaves()]
-    if oracle == "reference" or (oracle == "auto" and case.smooth_tau is not None):
+    if case.num_queries == 0 or case.num_columns == 0:
+        # nothing to score: an empty result and zero gradients (the reference itself fails on zero documents,
+        # a known bug pinned in test_reference.py)
+        shape = (case.num_columns,) if case.single_query else (case.num_queries, case.num_columns)
+        out = torch.zeros(shape, dtype=torch.float64, device=case.queries.device)
+    elif oracle == "reference" or (oracle == "auto" and case.smooth_tau is not None):
         out = case.run(reference.maxsim, leaves64, for_reference=True)
     else:
         out = first_argmax_maxsim(case, leaves64)
     if grad_output is None:
         return out.detach(), None
-    inputs = [x for x in leaves64]
-    grads = torch.autograd.grad(out, inputs, grad_output.double(), allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
-    return out.detach(), grads
+    return out.detach(), _grads(out, leaves64, grad_output.double())
+
+
+def _grads(out, leaves, grad_output):
+    if not out.requires_grad:
+        return [torch.zeros_like(x) for x in leaves]
+    grads = torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
 
 def flash_scores_and_grads(case: Case, grad_output=None):
@@ -274,9 +287,7 @@ def flash_scores_and_grads(case: Case, grad_output=None):
     out = case.run(flash_maxsim.maxsim, leaves)
     if grad_output is None:
         return out.detach(), None
-    grads = torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
-    return out.detach(), grads
+    return out.detach(), _grads(out, leaves, grad_output)
 
 
 def assert_scores_close(actual, expected, case: Case, rtol=SCORE_RTOL):

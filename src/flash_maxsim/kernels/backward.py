@@ -1,14 +1,16 @@
-"""Fused MaxSim backward kernels (deterministic: every output element is written by exactly one program,
-accumulating in a fixed order in fp32; no atomics).
+"""Fused MaxSim backward kernels. Deterministic: every output element is produced by one program summing in a
+fixed order in fp32 (partial sums over column splits are added afterwards in a fixed order); no atomics.
 
 Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary value:
 - hard max, ``AUX[q, col, i]`` = first arg-max token ``j`` (-1: no gradient)
-    dQ[q, i]   = sum_col G[q, col] * D[doc(q, col), j]
-    dD[t, j]   = sum_{q, i : AUX = j} G[q, col(t)] * Q[q, i]
+    dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]                      (gather:  maxsim_bwd_dq_kernel)
+    dD[row]  = sum over entries (q, col, i) whose destination is row of G[q, col] * Q[q, i]
+               (entries pre-sorted by destination row: maxsim_bwd_dd_sparse_kernel)
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
   recomputed tile by tile from ``S = Q D^T`` (flash-attention style):
-    dQ[q]      = sum_col G[q, col] * P[q, col] @ D[doc]
-    dD[t]      = sum_q  G[q, col(t)] * P[q, col]^T @ Q[q]
+    dQ[q]  = sum_col P[q, col] * G[q, col] @ D[doc]                           (maxsim_bwd_dq_kernel)
+    dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (maxsim_bwd_dd_smooth_kernel)
+  ``P * G`` is rounded to the input dtype before the tensor-core product, exactly as ``P`` alone would be.
 Masked (constant) similarities get no gradient in either mode.
 """
 
@@ -19,100 +21,151 @@ from .forward import _similarity_tile
 
 
 @triton.jit
+def _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, RAGGED: tl.constexpr):
+    """(first-row offset into D, first-row offset into the mask, length) of document t."""
+    if RAGGED:
+        start = tl.load(OFFSETS + t).to(tl.int64)
+        dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
+        return start * stride_dl, start * stride_dml, dlen
+    else:
+        return t * stride_dt, t * stride_dmt, Ld
+
+
+@triton.jit
 def maxsim_bwd_dq_kernel(
-    G, Q, D, DMASK, OFFSETS, AUX, DQ,
+    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
     Nq, Lq, d, Ld, C, K,
-    n_splits,
+    n_qblocks, n_splits, n_csplits, cols_per_split,
     stride_gn, stride_gc,
     stride_qn, stride_ql, stride_qd,
     stride_dt, stride_dl, stride_dd,
+    stride_qmn, stride_qml,
     stride_dmt, stride_dml,
     stride_an, stride_ac, stride_al,
-    stride_oqn, stride_oql, stride_oqd,
+    stride_os, stride_on, stride_ol, stride_od,
     inv_tau_log2e,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_DMASK: tl.constexpr, SMOOTH: tl.constexpr,
-    TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # program: one query, TOKB of its tokens, one BLOCK_D slice of the gradient's feature axis
+    # program: QPB queries x TOKB tokens (one query when PAIRED), a range of columns, one BLOCK_D feature slice
+    BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
-    per_query = n_splits * D_CHUNKS
-    q = pid // per_query
-    rem = pid % per_query
-    split = rem // D_CHUNKS
-    kc = rem % D_CHUNKS
+    kc = pid % D_CHUNKS
+    rest = pid // D_CHUNKS
+    cs = rest % n_csplits
+    rest = rest // n_csplits
+    split = rest % n_splits
+    qb = rest // n_splits
 
-    tok = split * TOKB + tl.arange(0, TOKB)
-    row_ok = tok < Lq
+    rows = tl.arange(0, BLOCK_M)
+    qidx = qb * QPB + rows // TOKB
+    tok = split * TOKB + rows % TOKB
+    row_ok = (qidx < Nq) & (tok < Lq)
     cols = kc * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < d
-    q_row_off = q * stride_qn + tok * stride_ql
+    q_row_off = qidx * stride_qn + tok * stride_ql
     d_cols0 = tl.arange(0, BLOCK_D)
+    c_lo = cs * cols_per_split
+    c_hi = tl.minimum(c_lo + cols_per_split, C)
 
-    q_tile = tl.zeros((TOKB, BLOCK_D), dtype=tl.float32)
+    q_tile = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if SMOOTH:
+        if HAS_QMASK:
+            qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
+            q_live = row_ok & (qm != 0)
+        else:
+            q_live = row_ok
         if D_CHUNKS == 1:
             q_tile = tl.load(Q + q_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_qd,
-                             mask=row_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
+                             mask=q_live[:, None] & (d_cols0[None, :] < d), other=0.0)
             if UPCAST:
                 q_tile = q_tile.to(tl.float32)
 
-    acc = tl.zeros((TOKB, BLOCK_D), dtype=tl.float32)
-    for c in range(0, C):
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        g = tl.load(G + qidx * stride_gn + c * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
+        aux_ptr = AUX + qidx * stride_an + c * stride_ac + tok * stride_al
         if PAIRED:
-            t = q * K + c
+            t = qb * K + c          # QPB == 1: every row belongs to query qb
         else:
             t = c
-        g = tl.load(G + q * stride_gn + c * stride_gc).to(tl.float32)
-        if RAGGED:
-            start = tl.load(OFFSETS + t).to(tl.int64)
-            dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
-            d_base = start * stride_dl
-            m_base = start * stride_dml
-        else:
-            dlen = Ld
-            d_base = t * stride_dt
-            m_base = t * stride_dmt
-        aux_ptr = AUX + q * stride_an + c * stride_ac + tok * stride_al
+        d_base, m_base, dlen = _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, RAGGED)
         if SMOOTH:
             lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
-            part = tl.zeros((TOKB, BLOCK_D), dtype=tl.float32)
             for n0 in range(0, dlen, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 in_range = n < dlen
                 d_row_off = d_base + n * stride_dl
-                s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_row_off, in_range, d_cols0,
+                s = _similarity_tile(q_tile, Q, q_row_off, q_live, D, d_row_off, in_range, d_cols0,
                                      stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
                 if HAS_DMASK:
                     dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
                     valid = in_range & (dm != 0)
                 else:
                     valid = in_range
-                p = tl.exp2((s - lse[:, None]) * inv_tau_log2e)
+                p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
                 p = tl.where(valid[None, :], p, 0.0)
                 d_tile = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
                                  mask=in_range[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:
-                    part += tl.dot(p, d_tile.to(tl.float32), input_precision=PRECISION)
+                    acc += tl.dot(p, d_tile.to(tl.float32), input_precision=PRECISION)
                 else:
-                    part += tl.dot(p.to(d_tile.dtype), d_tile, input_precision=PRECISION)
-            acc += g * part
+                    acc += tl.dot(p.to(d_tile.dtype), d_tile, input_precision=PRECISION)
         else:
             j = tl.load(aux_ptr, mask=row_ok, other=-1)
             hit = j >= 0
-            rows = tl.load(D + d_base + j.to(tl.int64)[:, None] * stride_dl + cols[None, :].to(tl.int64) * stride_dd,
-                           mask=hit[:, None] & col_ok[None, :], other=0.0)
-            acc += g * rows.to(tl.float32)
+            drows = tl.load(D + d_base + j.to(tl.int64)[:, None] * stride_dl + cols[None, :].to(tl.int64) * stride_dd,
+                            mask=hit[:, None] & col_ok[None, :], other=0.0)
+            acc += g[:, None] * drows.to(tl.float32)
 
-    tl.store(DQ + q * stride_oqn + tok[:, None] * stride_oql + cols[None, :] * stride_oqd,
+    tl.store(DQ + cs * stride_os + qidx[:, None] * stride_on + tok[:, None] * stride_ol + cols[None, :] * stride_od,
              acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def maxsim_bwd_dd_kernel(
+def maxsim_bwd_dd_sparse_kernel(
+    G, Q, PERM, ROW_START, DD,
+    n_rows, Lq, C, d,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_ddr, stride_ddd,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Hard-max dD. ``PERM`` lists entry ids e = (q*C + col)*Lq + i grouped by destination row (stable order);
+    row r's contributors are PERM[ROW_START[r]:ROW_START[r+1]]."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_dchunks = tl.cdiv(d, BLOCK_D)
+    rb = pid // n_dchunks
+    kc = pid % n_dchunks
+    r = rb * ROWS + tl.arange(0, ROWS)
+    r_ok = r < n_rows
+    cols = kc * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < d
+    start = tl.load(ROW_START + r, mask=r_ok, other=0)
+    count = tl.load(ROW_START + r + 1, mask=r_ok, other=0) - start
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for k in range(0, tl.max(count, 0)):
+        live = k < count
+        e = tl.load(PERM + start + k, mask=live, other=0).to(tl.int64)
+        i = e % Lq
+        qc = e // Lq
+        col = qc % C
+        q = qc // C
+        g = tl.load(G + q * stride_gn + col * stride_gc, mask=live, other=0.0).to(tl.float32)
+        qrow = tl.load(Q + q[:, None] * stride_qn + i[:, None] * stride_ql + cols[None, :].to(tl.int64) * stride_qd,
+                       mask=live[:, None] & col_ok[None, :], other=0.0)
+        acc += g[:, None] * qrow.to(tl.float32)
+    tl.store(DD + r[:, None] * stride_ddr + cols[None, :] * stride_ddd, acc.to(DD.dtype.element_ty),
+             mask=r_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def maxsim_bwd_dd_smooth_kernel(
     G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
     Nq, Lq, d, Ld, K,
-    n_nblocks, max_len,
+    n_nblocks,
     stride_gn, stride_gc,
     stride_qn, stride_ql, stride_qd,
     stride_dt, stride_dl, stride_dd,
@@ -122,17 +175,16 @@ def maxsim_bwd_dd_kernel(
     stride_odt, stride_odl, stride_odd,
     inv_tau_log2e,
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
-    SMOOTH: tl.constexpr,
-    TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # program: one document, BLOCK_N of its tokens, one BLOCK_D slice of the feature axis; loops over queries
+    # program: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows
+    BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
-    per_doc = n_nblocks * D_CHUNKS
-    t = pid // per_doc
-    rem = pid % per_doc
-    nb = rem // D_CHUNKS
-    kc = rem % D_CHUNKS
+    kc = pid % D_CHUNKS
+    rest = pid // D_CHUNKS
+    nb = rest % n_nblocks
+    t = rest // n_nblocks
 
     if RAGGED:
         start = tl.load(OFFSETS + t).to(tl.int64)
@@ -151,7 +203,6 @@ def maxsim_bwd_dd_kernel(
     col_ok = cols < d
     d_row_off = d_base + n * stride_dl
     d_cols0 = tl.arange(0, BLOCK_D)
-
     if HAS_DMASK:
         dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
         valid = in_range & (dm != 0)
@@ -159,49 +210,47 @@ def maxsim_bwd_dd_kernel(
         valid = in_range
 
     d_tile = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    if SMOOTH:
-        if D_CHUNKS == 1:
-            d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
-                             mask=in_range[:, None] & (d_cols0[None, :] < d), other=0.0)
-            if UPCAST:
-                d_tile = d_tile.to(tl.float32)
+    if D_CHUNKS == 1:
+        d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
+                         mask=in_range[:, None] & (d_cols0[None, :] < d), other=0.0)
+        if UPCAST:
+            d_tile = d_tile.to(tl.float32)
 
     if PAIRED:
-        q_lo = t // K
-        q_hi = q_lo + 1
-        c = t % K
+        q_first = t // K
+        q_last = q_first + 1
+        col = t % K
     else:
-        q_lo = 0
-        q_hi = Nq
-        c = t
+        q_first = 0
+        q_last = Nq
+        col = t
 
+    rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     if nb * BLOCK_N < dlen:
-        for q in range(q_lo, q_hi):
-            g = tl.load(G + q * stride_gn + c * stride_gc).to(tl.float32)
+        for q0 in range(q_first, q_last, QPB):
+            qidx = q0 + rows // TOKB
             for l0 in range(0, Lq, TOKB):
-                tok = l0 + tl.arange(0, TOKB)
-                row_ok = tok < Lq
+                tok = l0 + rows % TOKB
+                row_ok = (qidx < q_last) & (tok < Lq)
                 if HAS_QMASK:
-                    qm = tl.load(QMASK + q * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
+                    qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
                     row_ok = row_ok & (qm != 0)
-                q_row_off = q * stride_qn + tok * stride_ql
-                aux_ptr = AUX + q * stride_an + c * stride_ac + tok * stride_al
+                q_row_off = qidx * stride_qn + tok * stride_ql
+                lse = tl.load(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, mask=row_ok,
+                              other=float("inf"))
+                g = tl.load(G + qidx * stride_gn + col * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
+                # S^T tile [BLOCK_N, BLOCK_M]
+                st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
+                                      stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+                pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
+                pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
                 q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:
-                    q_rows = q_rows.to(tl.float32)
-                if SMOOTH:
-                    lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
-                    # S^T tile [BLOCK_N, TOKB]
-                    st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
-                                          stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
-                    pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e)
-                    pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
+                    acc += tl.dot(pt, q_rows.to(tl.float32), input_precision=PRECISION)
                 else:
-                    j = tl.load(aux_ptr, mask=row_ok, other=-1)
-                    pt = tl.where((j[None, :] == n[:, None]) & valid[:, None], 1.0, 0.0)
-                acc += g * tl.dot(pt.to(q_rows.dtype), q_rows, input_precision=PRECISION)
+                    acc += tl.dot(pt.to(q_rows.dtype), q_rows, input_precision=PRECISION)
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])

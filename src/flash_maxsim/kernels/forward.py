@@ -57,26 +57,28 @@ def _similarity_tile(
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX,
     Nq, Lq, d, Ld, K,
-    n_qblocks, n_splits,
+    n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
     stride_dt, stride_dl, stride_dd,
     stride_qmn, stride_qml,
     stride_dmt, stride_dml,
     stride_os, stride_on, stride_oc,
     stride_an, stride_ac, stride_al,
+    stride_rs, stride_rn, stride_rc, stride_rl,
     tau, inv_tau_log2e,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
-    per_doc = n_qblocks * n_splits
-    t = pid // per_doc                       # document index (flattened candidates when PAIRED)
-    rem = pid % per_doc
-    qb = rem // n_splits
-    split = rem % n_splits
+    ds = pid % n_dsplits                     # slice of the document's tokens (ROW_OUT only)
+    rest = pid // n_dsplits
+    split = rest % n_splits
+    rest = rest // n_splits
+    qb = rest % n_qblocks
+    t = rest // n_qblocks                    # document index (flattened candidates when PAIRED)
 
     rows = tl.arange(0, BLOCK_M)
     if PAIRED:
@@ -118,9 +120,11 @@ def maxsim_fwd_kernel(
         arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
 
     ncols = tl.arange(0, BLOCK_N)
-    for n0 in range(0, dlen, BLOCK_N):
+    n_lo = ds * tokens_per_dsplit
+    n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         n = n0 + ncols
-        in_range = n < dlen
+        in_range = n < n_hi
         s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                              stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
         if HAS_DMASK:
@@ -148,24 +152,33 @@ def maxsim_fwd_kernel(
                 arg = tl.where(tile_max > m, first.to(tl.int32), arg)
             m = _max_propagating_nan(m, tile_max)
 
-    if SMOOTH:
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        has_any = acc > 0.0
-        row_val = tl.where(has_any, m_safe + tau * tl.log(acc), 0.0)
-        aux = tl.where(has_any & row_ok, row_val, float("inf"))
+    if ROW_OUT:
+        # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)
+        rptr = OUT + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl
+        rmask = (qidx < Nq) & (tok < Lq)
+        tl.store(rptr, tl.where(row_ok, m, float("-inf")), mask=rmask)
+        if SMOOTH:
+            tl.store(AUX + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl,
+                     tl.where(row_ok, acc, 0.0), mask=rmask)
     else:
-        row_val = tl.where(m == float("-inf"), 0.0, m)
-        if SAVE_AUX:
-            if ZERO_MASKED:
-                if HAS_DMASK:
-                    # the max may sit on a masked (constant-zero) token: no gradient flows there
-                    hit = tl.load(DMASK + m_base + arg.to(tl.int64) * stride_dml, mask=row_ok & (arg >= 0), other=0)
-                    arg = tl.where(hit != 0, arg, -1)
-            aux = tl.where(row_ok, arg, -1)
-    row_val = tl.where(row_ok, row_val, 0.0)
+        if SMOOTH:
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            has_any = acc > 0.0
+            row_val = tl.where(has_any, m_safe + tau * tl.log(acc), 0.0)
+            aux = tl.where(has_any & row_ok, row_val, float("inf"))
+        else:
+            row_val = tl.where(m == float("-inf"), 0.0, m)
+            if SAVE_AUX:
+                if ZERO_MASKED:
+                    if HAS_DMASK:
+                        # the max may sit on a masked (constant-zero) token: no gradient flows there
+                        hit = tl.load(DMASK + m_base + arg.to(tl.int64) * stride_dml, mask=row_ok & (arg >= 0), other=0)
+                        arg = tl.where(hit != 0, arg, -1)
+                aux = tl.where(row_ok, arg, -1)
+        row_val = tl.where(row_ok, row_val, 0.0)
 
-    per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
-    qs = q0 + tl.arange(0, QPB)
-    tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
-    if SAVE_AUX:
-        tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux, mask=(qidx < Nq) & (tok < Lq))
+        per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
+        qs = q0 + tl.arange(0, QPB)
+        tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
+        if SAVE_AUX:
+            tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux, mask=(qidx < Nq) & (tok < Lq))

@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 
-from .backward import maxsim_bwd_dd_kernel, maxsim_bwd_dq_kernel
+from .backward import maxsim_bwd_dd_smooth_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
 from .forward import maxsim_fwd_kernel
 
 
@@ -59,27 +59,61 @@ def _dummy(device):
     return torch.empty(1, dtype=torch.uint8, device=device)
 
 
+# Tile choices, overridable for tuning sweeps (benchmarks/kernel_check.py --sweep): name -> value.
+FORWARD_OVERRIDES: dict = {}
+
+
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux):
+    tokb = min(max(16, _pow2(Lq)), 128)
+    qpb = 1 if paired else max(1, min(_pow2(Nq), 128 // tokb))
+    block_d, d_chunks = _feature_tiling(d)
+    cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 32, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+               num_warps=8 if qpb * tokb >= 128 else 4, num_stages=3, DSPLIT=1)
+    # few (query block, document) pairs with long documents: split the document's tokens over programs
+    programs = (1 if paired else triton.cdiv(Nq, qpb)) * C * triton.cdiv(Lq, tokb)
+    if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
+        cfg["DSPLIT"] = max(1, min(triton.cdiv(2 * _sm_count(), programs), max_len // 512))
+    cfg.update(FORWARD_OVERRIDES)
+    return cfg
+
+
 def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-            save_aux):
+            save_aux, max_len=None):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
     C = candidates if candidates else T
     device = queries.device
     smooth = smooth_tau is not None
-
-    tokb = min(max(16, _pow2(Lq)), 128)
-    n_splits = triton.cdiv(Lq, tokb)
-    qpb = 1 if candidates else max(1, min(_pow2(Nq), 128 // tokb))
-    n_qblocks = 1 if candidates else triton.cdiv(Nq, qpb)
-    block_d, d_chunks = _feature_tiling(d)
-    block_n = 64 if d <= 256 else 32
-
-    scores = torch.empty((n_splits, Nq, C), dtype=torch.float32, device=device)
+    max_len = Ld if max_len is None else max_len
+    cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux)
+    tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
-        aux = torch.empty((Nq, C, Lq), dtype=torch.float32 if smooth else torch.int32, device=device)
+        n_ds = 1
+    n_splits = triton.cdiv(Lq, tokb)
+    n_qblocks = 1 if candidates else triton.cdiv(Nq, qpb)
+    if n_ds > 1:
+        tokens_per_ds = triton.cdiv(triton.cdiv(max_len, n_ds), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        n_ds = triton.cdiv(max_len, tokens_per_ds)
     else:
-        aux = torch.empty((0, 0, 0), dtype=torch.int32, device=device)
+        tokens_per_ds = 2**31 - 1      # one slice: the whole document, whatever its length
+    row_out = n_ds > 1
+
+    if row_out:
+        scores = torch.empty((n_ds, Nq, C, Lq), dtype=torch.float32, device=device)
+        aux = torch.empty((n_ds, Nq, C, Lq) if smooth else (0, 0, 0, 0), dtype=torch.float32, device=device)
+        so = (0, 0, 0)
+        sa = (0, 0, 0)
+        sr = scores.stride()
+    else:
+        scores = torch.empty((n_splits, Nq, C), dtype=torch.float32, device=device)
+        if save_aux:
+            aux = torch.empty((Nq, C, Lq), dtype=torch.float32 if smooth else torch.int32, device=device)
+        else:
+            aux = torch.empty((0, 0, 0), dtype=torch.int32, device=device)
+        so = scores.stride()
+        sa = aux.stride() if save_aux else (0, 0, 0)
+        sr = (0, 0, 0, 0)
 
     dummy = _dummy(device)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
@@ -87,7 +121,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     sdmt, sdml = _mask_strides(documents_mask, offsets)
     tau = float(smooth_tau) if smooth else 1.0
     upcast = interpreting() and queries.dtype == torch.bfloat16
-    grid = (T * n_qblocks * n_splits,)
+    grid = (T * n_qblocks * n_splits * n_ds,)
     maxsim_fwd_kernel[grid](
         queries, documents,
         queries_mask if queries_mask is not None else dummy,
@@ -95,27 +129,96 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         offsets if offsets is not None else dummy,
         scores, aux,
         Nq, Lq, d, Ld, max(candidates, 1),
-        n_qblocks, n_splits,
+        n_qblocks, n_splits, n_ds, tokens_per_ds,
         queries.stride(0), queries.stride(1), queries.stride(2),
         sdt, sdl, sdd,
         sqmn, sqml,
         sdmt, sdml,
-        scores.stride(0), scores.stride(1), scores.stride(2),
-        *(aux.stride() if save_aux else (0, 0, 0)),
+        *so, *sa, *sr,
         tau, math.log2(math.e) / tau,
-        PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-        HAS_DMASK=documents_mask is not None, ZERO_MASKED=bool(zero_masked), SMOOTH=smooth, SAVE_AUX=bool(save_aux),
-        QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+        ROW_OUT=row_out, PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+        HAS_DMASK=documents_mask is not None, ZERO_MASKED=bool(zero_masked), SMOOTH=smooth,
+        SAVE_AUX=bool(save_aux) and not row_out,
+        QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=upcast, PRECISION=_precision(queries.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if row_out:
+        return _combine_token_slices(scores, aux, queries_mask, smooth_tau), torch.empty((0, 0, 0), dtype=torch.int32, device=device)
     out = scores[0] if n_splits == 1 else scores.sum(0)
     return out, aux
 
 
+def _combine_token_slices(row_max, row_sum, queries_mask, smooth_tau):
+    """Per-row states of the document-token slices [n_ds, Nq, C, Lq] -> scores [Nq, C] (fixed order)."""
+    m = row_max.amax(0)
+    if smooth_tau is None:
+        val = m
+    else:
+        m_safe = torch.where(m == float("-inf"), 0.0, m)
+        total = (row_sum * torch.exp((row_max - m_safe) / smooth_tau)).sum(0)
+        val = torch.where(total > 0, m_safe + smooth_tau * torch.log(total), float("-inf"))
+    val = torch.where(val == float("-inf"), 0.0, val)
+    if queries_mask is not None:
+        val = val * queries_mask.bool()[:, None, :]
+    return val.sum(-1)
+
+
+def _dq_column_splits(programs: int, C: int) -> int:
+    """Split the column loop so that the dQ grid has a few programs per SM (partial sums cost
+    n_splits * Nq * Lq * d fp32, summed afterwards in a fixed order)."""
+    target = 4 * _sm_count()
+    splits = 1
+    while programs * splits < target and C // (splits * 2) >= 8 and splits < 16:
+        splits *= 2
+    return splits
+
+
+_SM_COUNT = {}
+
+
+def _sm_count() -> int:
+    if not torch.cuda.is_available():
+        return 4
+    dev = torch.cuda.current_device()
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SM_COUNT[dev]
+
+
+def _sorted_entries(aux, documents, offsets, candidates):
+    """Hard-max entries grouped by destination document row, for the sparse dD kernel.
+
+    Entry e = (q*C + col)*Lq + i (the flat index into aux) goes to row ``first_row(doc(q, col)) + aux[e]``.
+    A stable sort keeps entries of one row in increasing e, so the summation order is fixed (deterministic).
+    Returns (perm [entries] int64, row_start [n_rows + 1] int64, n_rows)."""
+    Nq, C, Lq = aux.shape
+    device = aux.device
+    if offsets is None:
+        T, Ld = documents.shape[0], documents.shape[1]
+        n_rows = T * Ld
+    else:
+        n_rows = documents.shape[0]
+    cols = torch.arange(C, device=device, dtype=torch.int64)
+    if candidates:
+        t = torch.arange(Nq, device=device, dtype=torch.int64)[:, None] * candidates + cols[None, :]
+    else:
+        t = cols[None, :].expand(Nq, C)
+    first_row = t * Ld if offsets is None else offsets[t]
+    key_dtype = torch.int32 if n_rows < 2**31 - 1 else torch.int64
+    key = torch.where(aux >= 0, first_row[:, :, None] + aux, n_rows).to(key_dtype).reshape(-1)
+    sorted_key, perm = torch.sort(key, stable=True)
+    del key
+    row_start = torch.searchsorted(sorted_key, torch.arange(n_rows + 1, device=device, dtype=key_dtype))
+    return perm, row_start, n_rows
+
+
 def backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
              smooth_tau, need_dq, need_dd, grad_dtype=None):
-    """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync."""
+    """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
+
+    Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
+    otherwise be small); hard-max dD: the sorted entry list (~16 bytes per Nq*C*Lq entry)."""
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
@@ -131,62 +234,87 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     dummy = _dummy(device)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sdmt, sdml = _mask_strides(documents_mask, offsets)
+    sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
+    qmask = queries_mask if queries_mask is not None else dummy
+    dmask = documents_mask if documents_mask is not None else dummy
+    offs = offsets if offsets is not None else dummy
     grad = grad.float()
     dq = dd = None
+    qpb = 1 if candidates else max(1, min(_pow2(Nq), 128 // tokb))
 
     if need_dq:
-        dq = torch.empty(queries.shape, dtype=grad_dtype or queries.dtype, device=device)
         n_splits = triton.cdiv(Lq, tokb)
-        grid = (Nq * n_splits * d_chunks,)
-        maxsim_bwd_dq_kernel[grid](
-            grad, queries, documents,
-            documents_mask if documents_mask is not None else dummy,
-            offsets if offsets is not None else dummy,
-            aux, dq,
+        n_qblocks = Nq if candidates else triton.cdiv(Nq, qpb)
+        base_programs = n_qblocks * n_splits * d_chunks
+        n_cs = _dq_column_splits(base_programs, C)
+        cols_per_split = triton.cdiv(C, n_cs)
+        n_cs = triton.cdiv(C, cols_per_split)
+        out_dtype = grad_dtype or queries.dtype
+        if n_cs == 1:
+            dq = torch.empty(queries.shape, dtype=out_dtype, device=device)
+            target = dq.unsqueeze(0)
+        else:
+            target = torch.empty((n_cs, Nq, Lq, d), dtype=torch.float32, device=device)
+        maxsim_bwd_dq_kernel[(base_programs * n_cs,)](
+            grad, queries, documents, qmask, dmask, offs, aux, target,
             Nq, Lq, d, Ld, C, max(candidates, 1),
-            n_splits,
+            n_qblocks, n_splits, n_cs, cols_per_split,
             grad.stride(0), grad.stride(1),
             queries.stride(0), queries.stride(1), queries.stride(2),
             sdt, sdl, sdd,
+            sqmn, sqml,
             sdmt, sdml,
             aux.stride(0), aux.stride(1), aux.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
+            *target.stride(),
             inv_tau_log2e,
-            PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_DMASK=documents_mask is not None,
-            SMOOTH=smooth, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+            PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+            HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
+            QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
             UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
         )
+        if n_cs > 1:
+            dq = target.sum(0).to(out_dtype)
 
     if need_dd:
-        dd = torch.empty(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
-        n_nblocks = triton.cdiv(max_len, block_n)
-        grid = (T * n_nblocks * d_chunks,)
-        if offsets is None:
-            sodt, sodl, sodd = dd.stride()
-        else:
-            sodt, sodl, sodd = 0, dd.stride(0), dd.stride(1)
-        if grid[0] > 0:
-            maxsim_bwd_dd_kernel[grid](
-                grad, queries, documents,
-                queries_mask if queries_mask is not None else dummy,
-                documents_mask if documents_mask is not None else dummy,
-                offsets if offsets is not None else dummy,
-                aux, dd,
-                Nq, Lq, d, Ld, max(candidates, 1),
-                n_nblocks, max_len,
-                grad.stride(0), grad.stride(1),
-                queries.stride(0), queries.stride(1), queries.stride(2),
-                sdt, sdl, sdd,
-                *((queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)),
-                sdmt, sdml,
-                aux.stride(0), aux.stride(1), aux.stride(2),
-                sodt, sodl, sodd,
-                inv_tau_log2e,
-                PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-                HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-                TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
-            )
-        else:
-            dd.zero_()
+        dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
+        if smooth:
+            n_nblocks = triton.cdiv(max_len, block_n)
+            grid = (T * n_nblocks * d_chunks,)
+            if offsets is None:
+                sodt, sodl, sodd = dd.stride()
+            else:
+                sodt, sodl, sodd = 0, dd.stride(0), dd.stride(1)
+            if grid[0] > 0:
+                maxsim_bwd_dd_smooth_kernel[grid](
+                    grad, queries, documents, qmask, dmask, offs, aux, dd,
+                    Nq, Lq, d, Ld, max(candidates, 1),
+                    n_nblocks,
+                    grad.stride(0), grad.stride(1),
+                    queries.stride(0), queries.stride(1), queries.stride(2),
+                    sdt, sdl, sdd,
+                    sqmn, sqml,
+                    sdmt, sdml,
+                    aux.stride(0), aux.stride(1), aux.stride(2),
+                    sodt, sodl, sodd,
+                    inv_tau_log2e,
+                    PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+                    HAS_DMASK=documents_mask is not None,
+                    QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+                    UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
+                )
+        elif aux.numel() > 0:
+            perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
+            flat = dd.view(-1, d)
+            rows_per_program = 16
+            bd = min(block_d, 128)
+            grid = (triton.cdiv(n_rows, rows_per_program) * triton.cdiv(d, bd),)
+            if grid[0] > 0:
+                maxsim_bwd_dd_sparse_kernel[grid](
+                    grad, queries, perm, row_start, flat,
+                    n_rows, Lq, C, d,
+                    grad.stride(0), grad.stride(1),
+                    queries.stride(0), queries.stride(1), queries.stride(2),
+                    flat.stride(0), flat.stride(1),
+                    ROWS=rows_per_program, BLOCK_D=bd, num_warps=4,
+                )
     return dq, dd

@@ -63,6 +63,9 @@ def features(model, texts, task):
 
 @torch.no_grad()
 def padded_embeddings(model, texts, task):
-    """Padded token embeddings ``[B, T, d]`` and the scoring mask ``[B, T]`` (bool), as the losses see them."""
-    out = model(features(model, texts, task), task=task)
-    return out["token_embeddings"].clone(), out["attention_mask"].bool().clone()
+    """Padded token embeddings ``[B, T, d]``, the scoring mask ``[B, T]`` (bool, as the losses see it) and the
+    tokenizer's mask of real tokens ``[B, T]`` (bool)."""
+    batch = features(model, texts, task)
+    tokens = batch["attention_mask"].bool().clone()
+    out = model(batch, task=task)
+    return out["token_embeddings"].clone(), out["attention_mask"].bool().clone(), tokens

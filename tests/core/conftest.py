@@ -1,0 +1,13 @@
+import os
+import random
+
+import pytest
+
+
+@pytest.fixture
+def seed():
+    """Fresh data every run; a failing test's captured output shows the seed, and FLASH_MAXSIM_TEST_SEED=N
+    replays it."""
+    value = int(os.environ.get("FLASH_MAXSIM_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
+    print(f"seed={value} (replay with FLASH_MAXSIM_TEST_SEED={value})")
+    return value

@@ -1,0 +1,179 @@
+"""Inputs for the colpali-engine integration tests, shaped like the trainer's: model outputs zero-padded to the
+batch's longest sequence (right-padded, or left-padded as ``accelerate.pad_across_processes(pad_first=True)``
+does across GPUs), negatives ``[B, N, Ld, d]``, documents gathered from several processes with an ``offset``.
+
+Exact-arithmetic grid: CPU values are ``k / 256`` with ``|k| <= 256``. Every product is a multiple of 2^-16 and
+every similarity (d = 16) and every hard-max score (Lq <= 6 tokens) needs at most 23 significant bits, so fp32
+computes them EXACTLY in any summation order: the library's einsum and flash_maxsim agree bit for bit on which
+token is the max, on the scores, and so on every threshold and top-k the losses apply afterwards. What remains is
+the rounding of the backward sums and of the smooth max, which the 1e-5 tolerance measures. A draw whose real
+top-two similarities tie exactly (or whose real max is exactly 0 next to padding) is redrawn: torch's ``amax``
+splits a tie's gradient, flash_maxsim sends it to the first token (documented, and not what these tests measure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+GRID = 256
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def grid_values(shape, generator) -> torch.Tensor:
+    return torch.randint(-GRID, GRID + 1, tuple(shape), generator=generator).to(torch.float32) / GRID
+
+
+def padding_mask(shape, max_length: int, generator, min_length: int = 1, left: bool = False) -> torch.Tensor:
+    """``[*shape, max_length]`` bool, random lengths; the first sequence is full length (a collator pads to the
+    longest)."""
+    lengths = torch.randint(min_length, max_length + 1, tuple(shape), generator=generator)
+    lengths.view(-1)[0] = max_length
+    position = torch.arange(max_length)
+    if left:
+        return position >= (max_length - lengths)[..., None]
+    return position < lengths[..., None]
+
+
+@dataclass
+class Batch:
+    """Leaf tensors (``raw``, random everywhere) and padding masks; ``padded()`` multiplies them as every
+    colpali-engine model multiplies its output by the attention mask."""
+
+    raw: Dict[str, torch.Tensor]
+    masks: Dict[str, torch.Tensor]
+    offset: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def leaves(self, dtype=None, device=None) -> Dict[str, torch.Tensor]:
+        return {k: v.detach().to(device=device, dtype=dtype).requires_grad_() for k, v in self.raw.items()}
+
+    def padded(self, leaves) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name, leaf in leaves.items():
+            mask = self.masks[name].to(leaf.device)
+            x = leaf * mask[..., None].to(leaf.dtype)
+            x.retain_grad()
+            out[name] = x
+        return out
+
+
+def has_fragile_max(queries, query_mask, documents, document_mask) -> bool:
+    """Whether some real query token's hard max over a document's real tokens ties exactly (top two equal), or is
+    exactly 0 while the document has zero padding (which the library also counts as similarity 0)."""
+    q = queries.double()
+    docs = documents.reshape(-1, *documents.shape[-2:]).double()
+    dmask = document_mask.reshape(-1, document_mask.shape[-1])
+    s = torch.einsum("bid,tjd->bitj", q, docs).masked_fill(~dmask[None, None], float("-inf"))
+    top = s.topk(min(2, s.shape[-1]), dim=-1).values
+    tie = top[..., 0] == top[..., 1] if top.shape[-1] == 2 else torch.zeros_like(top[..., 0], dtype=torch.bool)
+    zero_with_padding = (top[..., 0] == 0) & (~dmask).any(-1)[None, None]
+    return bool(((tie | zero_with_padding) & query_mask[:, :, None]).any())
+
+
+def loss_batch(generator, *, batch=4, processes=1, query_length=6, doc_length=9, negatives=0, neg_length=7,
+               dim=16, left_padded_docs=False, values=grid_values, max_draws=50) -> Batch:
+    """A trainer-like batch: ``batch`` queries, ``batch * processes`` gathered documents (this process is rank 1
+    when ``processes > 1``, so ``offset = batch``), ``negatives`` explicit negatives per query."""
+    for _ in range(max_draws):
+        masks = {"q": padding_mask((batch,), query_length, generator, min_length=2),
+                 "d": padding_mask((batch * processes,), doc_length, generator, left=left_padded_docs)}
+        raw = {"q": values((batch, query_length, dim), generator),
+               "d": values((batch * processes, doc_length, dim), generator)}
+        if negatives:
+            masks["n"] = padding_mask((batch, negatives), neg_length, generator)
+            raw["n"] = values((batch, negatives, neg_length, dim), generator)
+        fragile = has_fragile_max(raw["q"] * masks["q"][..., None], masks["q"], raw["d"] * masks["d"][..., None],
+                                  masks["d"])
+        if negatives:
+            fragile |= has_fragile_max(raw["q"] * masks["q"][..., None], masks["q"],
+                                       raw["n"] * masks["n"][..., None], masks["n"])
+        if not fragile:
+            return Batch(raw, masks, offset=batch if processes > 1 else 0)
+    raise AssertionError(f"no tie-free draw in {max_draws} attempts")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (0 when both are all zero)."""
+    scale = want.detach().abs().max().item()
+    diff = (got.detach().double() - want.detach().double()).abs().max().item()
+    return diff / scale if scale else diff
+
+
+class Calls:
+    """Counts what reaches ``flash_maxsim.maxsim`` (and the dtypes it gets) and the ``torch.einsum`` calls made
+    by colpali-engine's own code (flash_maxsim's CPU path uses einsum too: only callers in colpali_engine count)."""
+
+    def __init__(self, monkeypatch):
+        import flash_maxsim
+
+        self.flash = 0
+        self.flash_dtypes: List[torch.dtype] = []
+        self.library_einsum = 0
+        real_maxsim, real_einsum = flash_maxsim.maxsim, torch.einsum
+
+        def maxsim(queries, *args, **kwargs):
+            self.flash += 1
+            self.flash_dtypes.append(queries.dtype)
+            return real_maxsim(queries, *args, **kwargs)
+
+        def einsum(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("colpali_engine"):
+                self.library_einsum += 1
+            return real_einsum(*args, **kwargs)
+
+        monkeypatch.setattr(flash_maxsim, "maxsim", maxsim)
+        monkeypatch.setattr(torch, "einsum", einsum)
+
+    def reset(self):
+        self.flash, self.library_einsum = 0, 0
+        self.flash_dtypes.clear()
+
+
+@contextlib.contextmanager
+def nothing():
+    yield
+
+
+def outcome(function):
+    """``("ok", value)`` or ``("raises", exception type)``: the patched code must fail where the library fails."""
+    try:
+        return "ok", function()
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return "raises", type(error)
+
+
+def snapshot_library() -> Dict[tuple, object]:
+    """Every module attribute of colpali_engine and every class attribute of its loss classes and of
+    BaseVisualRetrieverProcessor: enable() may change only the expected ones, disable() must restore all."""
+    from colpali_engine.loss import late_interaction_losses
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("colpali_engine"):
+            for attribute, value in list(vars(module).items()):
+                state[(name, attribute)] = value
+    classes = [v for v in vars(late_interaction_losses).values()
+               if isinstance(v, type) and v.__module__ == late_interaction_losses.__name__]
+    for cls in classes + [BaseVisualRetrieverProcessor]:
+        for attribute, value in vars(cls).items():
+            state[(cls.__qualname__, attribute)] = value
+    return state
+
+
+def changed(before: Dict[tuple, object], after: Dict[tuple, object]) -> set:
+    keys = set(before) | set(after)
+    return {k for k in keys if before.get(k, KeyError) is not after.get(k, KeyError)}
+
+
+def optional_import(name: str) -> Optional[object]:
+    try:
+        return __import__(name, fromlist=["_"])
+    except ImportError:
+        return None
