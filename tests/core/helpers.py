@@ -231,9 +231,14 @@ def _pad_columns(docs, masks):
     return D.view(T, L, d), in_doc, valid
 
 
-def first_argmax_maxsim(case: Case, leaves64):
+def first_argmax_maxsim(case: Case, leaves64, chosen=None, tie_tol=0.0):
     """Hard-max MaxSim in float64 whose autograd sends each row's gradient to the FIRST arg-max token (the
-    documented tie rule; ``amax``'s autograd would split it). Same numbers as the reference."""
+    documented tie rule; ``amax``'s autograd would split it). Same numbers as the reference.
+
+    ``chosen`` ``[Nq, C, Lq]`` (token index per row, -1 for none: the kernels' saved arg-max) replaces the
+    float64 arg-max: at large sizes two tokens can be closer than fp32 rounding, and either is then a correct
+    maximum. Every chosen token is checked to be a maximum within ``tie_tol``, and a row without one must
+    have nothing to differentiate (masked query token, empty document, or a "zero"-mode maximum at 0)."""
     Q, qvalid, docs, masks, K = case.logical(leaves64)
     Nq = Q.shape[0]
     C = K if K else len(docs)
@@ -248,18 +253,34 @@ def first_argmax_maxsim(case: Case, leaves64):
         allowed = (in_doc if case.masked == "zero" else valid)[cols][:, None, :]
         as_seen = torch.where(valid[cols][:, None, :], s, torch.zeros_like(s))          # masked -> 0 ("zero")
         candidates = torch.where(allowed, as_seen, torch.full_like(s, float("-inf")))
-        first = candidates.detach().argmax(-1, keepdim=True)                            # first maximal index
-        picked = torch.gather(as_seen, -1, first)[..., 0]
         nonempty = allowed.any(-1)
-        picked = torch.where(nonempty & qvalid[q][None, :], picked, torch.zeros_like(picked))
+        live = nonempty & qvalid[q][None, :]
+        if chosen is None:
+            pick = candidates.detach().argmax(-1, keepdim=True)                         # first maximal index
+            use = live
+        else:
+            c = chosen[q].to(device=s.device, dtype=torch.long)                         # [C, Lq]
+            use = c >= 0
+            pick = c.clamp(min=0)[..., None]
+            best = candidates.detach().amax(-1)
+            got = torch.gather(candidates.detach(), -1, pick)[..., 0]
+            bad = use & live & ~(got >= best - tie_tol)
+            assert not bad.any(), f"query {q}: a saved arg-max is not a maximum ({case.describe()})"
+            masked_in_doc = (in_doc & ~valid)[cols][:, None, :].any(-1)
+            unexplained = ~use & live & ~((case.masked == "zero") & masked_in_doc & (best <= tie_tol))
+            assert not unexplained.any(), f"query {q}: a row lost its gradient ({case.describe()})"
+            use = use & live
+        picked = torch.gather(as_seen, -1, pick)[..., 0]
+        picked = torch.where(use, picked, torch.zeros_like(picked))
         rows.append(picked.sum(-1))
     out = torch.stack(rows)
     return out[0] if case.single_query else out
 
 
-def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto"):
+def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto", chosen=None, tie_tol=0.0):
     """float64 scores and gradients w.r.t. the leaves. Hard max uses :func:`first_argmax_maxsim` (first
-    arg-max tie rule); smooth max uses autograd of ``flash_maxsim.reference.maxsim`` (softmax weights)."""
+    arg-max tie rule, or the given ``chosen`` arg-max); smooth max uses autograd of
+    ``flash_maxsim.reference.maxsim`` (softmax weights)."""
     leaves64 = [x.detach().double().requires_grad_(True) for x in case.leaves()]
     if case.num_queries == 0 or case.num_columns == 0:
         # nothing to score: an empty result and zero gradients (the reference itself fails on zero documents,
@@ -269,10 +290,30 @@ def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto"):
     elif oracle == "reference" or (oracle == "auto" and case.smooth_tau is not None):
         out = case.run(reference.maxsim, leaves64, for_reference=True)
     else:
-        out = first_argmax_maxsim(case, leaves64)
+        out = first_argmax_maxsim(case, leaves64, chosen, tie_tol)
     if grad_output is None:
         return out.detach(), None
     return out.detach(), _grads(out, leaves64, grad_output.double())
+
+
+def saved_argmax(case: Case):
+    """The arg-max per (query, column, query token) that the forward saves for the hard-max backward."""
+    from flash_maxsim._layout import canonicalize
+
+    p = canonicalize(*case.arguments(case.leaves()), masked=case.masked, smooth_tau=None)
+    with torch.no_grad():
+        _, aux = torch.ops.flash_maxsim.maxsim_fwd(p.queries, p.documents, p.queries_mask, p.documents_mask,
+                                                   p.offsets, p.max_length, p.candidates, case.masked == "zero",
+                                                   None, True)
+    return aux
+
+
+def similarity_bound(case: Case):
+    """max ||q_i|| * max ||d_j||: a bound on |s_ij|."""
+    Q, _, docs, _, _ = case.logical([x.detach().double() for x in case.leaves()])
+    qn = Q.norm(dim=-1).max().item() if Q.numel() else 0.0
+    dn = max([x.norm(dim=-1).max().item() for x in docs if x.shape[0]] + [0.0])
+    return qn * dn
 
 
 def _grads(out, leaves, grad_output):

@@ -192,24 +192,33 @@ def _padded_by_library(lengths: List[int], batch_size: int) -> List[bool]:
     return flags
 
 
+def _check_passages(ps, queries: torch.Tensor) -> None:
+    """Name the offending argument (the library would fail inside einsum, flash_maxsim with its own names)."""
+    tensor = isinstance(ps, torch.Tensor)
+    for i, p in enumerate([ps] if tensor else ps):
+        name = "`ps`" if tensor else f"`ps[{i}]`"
+        want = "[n_passages, sequence_length, dim]" if tensor else "[sequence_length, dim]"
+        if not isinstance(p, torch.Tensor) or p.dim() != (3 if tensor else 2):
+            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"{name} is {got}; expected a {want} tensor"
+                             + ("" if tensor else " (or pass one padded [n, max_length, dim] tensor)"))
+        if p.dtype != queries.dtype:
+            raise TypeError(f"{name} has dtype {p.dtype} but the queries `qs` have {queries.dtype}; "
+                            "cast one of them so both match")
+        if p.shape[-1] != queries.shape[-1]:
+            raise ValueError(f"{name} has embedding dim {p.shape[-1]}; the queries `qs` have {queries.shape[-1]}")
+
+
 def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
     """Yield the passages in chunks of at most ``_CHUNK_TOKENS`` tokens, on ``device``, in flash_maxsim's
     padded-tensor or packed layout."""
     if isinstance(ps, torch.Tensor):
-        if ps.dim() != 3:
-            raise ValueError(f"`ps` has shape {list(ps.shape)}; expected [n_passages, sequence_length, dim] "
-                             "or a list of [sequence_length_i, dim] tensors")
         # already padded to one length: the library's per-batch padding adds nothing
         step = max(1, _CHUNK_TOKENS // max(int(ps.shape[1]), 1))
         for start in range(0, ps.shape[0], step):
-            block = ps[start:start + step]
-            yield block.to(device)
+            yield ps[start:start + step].to(device)
         return
     ps = list(ps)
-    for i, p in enumerate(ps):
-        if not isinstance(p, torch.Tensor) or p.dim() != 2:
-            shape = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
-            raise ValueError(f"`ps[{i}]` is {shape}; expected a [sequence_length, dim] tensor")
     lengths = [int(p.shape[0]) for p in ps]
     extra = _padded_by_library(lengths, batch_size)
     start = 0
@@ -226,6 +235,7 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
             if extra[i]:
                 pieces.append(zero_token)
             offsets.append(offsets[-1] + lengths[i] + extra[i])
+        # concatenated where the passages live, then moved once
         values = torch.cat(pieces).to(device)
         longest = max(lengths[i] + extra[i] for i in range(start, stop))
         offsets = torch.tensor(offsets, dtype=torch.int64, device=values.device)
@@ -253,6 +263,7 @@ def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Ten
     else:
         # zero query tokens add exactly 0 to a hard max, so padding the queries changes no score
         queries = torch.nn.utils.rnn.pad_sequence(list(qs), batch_first=True, padding_value=0).to(device)
+    _check_passages(ps, queries)
     columns = []
     for documents in _document_chunks(ps, batch_size, device):
         columns.append(_late_interaction(queries, documents).cpu())

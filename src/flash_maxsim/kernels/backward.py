@@ -162,7 +162,7 @@ def maxsim_bwd_dd_sparse_kernel(
 
 
 @triton.jit
-def maxsim_bwd_dd_smooth_kernel(
+def maxsim_bwd_dd_dense_kernel(
     G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
     Nq, Lq, d, Ld, K,
     n_nblocks,
@@ -175,10 +175,12 @@ def maxsim_bwd_dd_smooth_kernel(
     stride_odt, stride_odl, stride_odd,
     inv_tau_log2e,
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # program: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows
+    # program: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows.
+    # dD_tile += (W * G)^T @ Q_rows with W = P (smooth) or the one-hot of the arg-max (hard), on tensor cores.
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
     kc = pid % D_CHUNKS
@@ -210,11 +212,12 @@ def maxsim_bwd_dd_smooth_kernel(
         valid = in_range
 
     d_tile = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    if D_CHUNKS == 1:
-        d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
-                         mask=in_range[:, None] & (d_cols0[None, :] < d), other=0.0)
-        if UPCAST:
-            d_tile = d_tile.to(tl.float32)
+    if SMOOTH:
+        if D_CHUNKS == 1:
+            d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
+                             mask=in_range[:, None] & (d_cols0[None, :] < d), other=0.0)
+            if UPCAST:
+                d_tile = d_tile.to(tl.float32)
 
     if PAIRED:
         q_first = t // K
@@ -237,14 +240,18 @@ def maxsim_bwd_dd_smooth_kernel(
                     qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
                     row_ok = row_ok & (qm != 0)
                 q_row_off = qidx * stride_qn + tok * stride_ql
-                lse = tl.load(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, mask=row_ok,
-                              other=float("inf"))
+                aux_ptr = AUX + qidx * stride_an + col * stride_ac + tok * stride_al
                 g = tl.load(G + qidx * stride_gn + col * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
-                # S^T tile [BLOCK_N, BLOCK_M]
-                st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
-                                      stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
-                pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
-                pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
+                if SMOOTH:
+                    lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
+                    # S^T tile [BLOCK_N, BLOCK_M]
+                    st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
+                                          stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+                    pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
+                    pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
+                else:
+                    j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
+                    pt = tl.where(j[None, :] == n[:, None], g[None, :], 0.0)
                 q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:

@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 
-from .backward import maxsim_bwd_dd_smooth_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
+from .backward import maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
 from .forward import maxsim_fwd_kernel
 
 
@@ -67,12 +67,15 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux):
     tokb = min(max(16, _pow2(Lq)), 128)
     qpb = 1 if paired else max(1, min(_pow2(Nq), 128 // tokb))
     block_d, d_chunks = _feature_tiling(d)
-    cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 32, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-               num_warps=8 if qpb * tokb >= 128 else 4, num_stages=3, DSPLIT=1)
+    # measured on H200 (docs/perf-notes.md, run 2): 4 warps / 2 stages beat 8 warps / 3 stages on every shape
+    # but the document-split one; 128-token tiles when d > 256 (feature axis chunked)
+    cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+               num_warps=4, num_stages=2, DSPLIT=1)
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else triton.cdiv(Nq, qpb)) * C * triton.cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
         cfg["DSPLIT"] = max(1, min(triton.cdiv(2 * _sm_count(), programs), max_len // 512))
+        cfg["num_warps"] = 8
     cfg.update(FORWARD_OVERRIDES)
     return cfg
 
@@ -164,14 +167,18 @@ def _combine_token_slices(row_max, row_sum, queries_mask, smooth_tau):
     return val.sum(-1)
 
 
-def _dq_column_splits(programs: int, C: int) -> int:
-    """Split the column loop so that the dQ grid has a few programs per SM (partial sums cost
-    n_splits * Nq * Lq * d fp32, summed afterwards in a fixed order)."""
+def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: int) -> int:
+    """Split the column loop so that the dQ grid has a few programs per SM. Partial sums cost
+    ``splits * partial_bytes`` (fp32 Nq*Lq*d each), kept within ``budget_bytes``; summed in a fixed order."""
     target = 4 * _sm_count()
     splits = 1
-    while programs * splits < target and C // (splits * 2) >= 8 and splits < 16:
+    while programs * splits < target and C // (splits * 2) >= 8 and (splits * 2) * partial_bytes <= budget_bytes:
         splits *= 2
     return splits
+
+
+# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sparse" (hard max only).
+BACKWARD_OVERRIDES: dict = {}
 
 
 _SM_COUNT = {}
@@ -246,7 +253,9 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         n_splits = triton.cdiv(Lq, tokb)
         n_qblocks = Nq if candidates else triton.cdiv(Nq, qpb)
         base_programs = n_qblocks * n_splits * d_chunks
-        n_cs = _dq_column_splits(base_programs, C)
+        # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
+        partial = Nq * Lq * d * 4
+        n_cs = _dq_column_splits(base_programs, C, partial, max(8 << 20, partial))
         cols_per_split = triton.cdiv(C, n_cs)
         n_cs = triton.cdiv(C, cols_per_split)
         out_dtype = grad_dtype or queries.dtype
@@ -277,7 +286,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     if need_dd:
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
-        if smooth:
+        method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
+        if smooth or method == "dense":
             n_nblocks = triton.cdiv(max_len, block_n)
             grid = (T * n_nblocks * d_chunks,)
             if offsets is None:
@@ -285,7 +295,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
             else:
                 sodt, sodl, sodd = 0, dd.stride(0), dd.stride(1)
             if grid[0] > 0:
-                maxsim_bwd_dd_smooth_kernel[grid](
+                maxsim_bwd_dd_dense_kernel[grid](
                     grad, queries, documents, qmask, dmask, offs, aux, dd,
                     Nq, Lq, d, Ld, max(candidates, 1),
                     n_nblocks,
@@ -298,7 +308,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                     sodt, sodl, sodd,
                     inv_tau_log2e,
                     PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-                    HAS_DMASK=documents_mask is not None,
+                    HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                     QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                     UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
                 )

@@ -1,0 +1,264 @@
+"""The contract on a CUDA device at real sizes: scores and gradients against the float64 reference (computed on
+the GPU), determinism, peak memory, torch.compile and CUDA graphs, and a document tensor of more than 2^31
+elements. Skipped without CUDA."""
+
+import math
+
+import pytest
+import torch
+
+import flash_maxsim
+
+from .helpers import (FP32_UNIT_ROUNDOFF, assert_grads_close, assert_scores_close, flash_scores_and_grads,
+                      make_case, random_tensor, reference_scores_and_grads, saved_argmax, similarity_bound,
+                      upstream_gradient)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICE = "cuda"
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@pytest.fixture(autouse=True)
+def highest_fp32_precision():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def check_against_reference(case):
+    """Scores vs the float64 reference; gradients vs float64 autograd. For the hard max the oracle follows the
+    kernel's saved arg-max after checking it is a maximum to within fp32 rounding (at these sizes two tokens
+    are sometimes closer than that, and either is then correct; the exact-tie rule is tested separately)."""
+    grad_out = upstream_gradient(case)
+    got, grads = flash_scores_and_grads(case, grad_out)
+    chosen, tie_tol = None, 0.0
+    if case.smooth_tau is None:
+        chosen = saved_argmax(case)
+        tie_tol = 8 * math.sqrt(case.queries.shape[-1]) * FP32_UNIT_ROUNDOFF * similarity_bound(case)
+    expected, expected_grads = reference_scores_and_grads(case, grad_out, chosen=chosen, tie_tol=tie_tol)
+    assert_scores_close(got, expected, case)
+    assert_grads_close(grads, expected_grads, case)
+
+
+def _config(layout, dtype, masked, tau, d, Lq=32, Ld=300, Nq=6, C=12, **extra):
+    return pytest.param(dict(layout=layout, dtype=dtype, masked=masked, smooth_tau=tau, d=d, Lq=Lq, Ld=Ld, Nq=Nq,
+                             C=C, **extra),
+                        id=f"{layout}-{DTYPE_IDS[dtype]}-{masked}-{'hard' if tau is None else f'tau{tau}'}-"
+                           f"d{d}-Lq{Lq}-Ld{Ld}")
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+MASKS = dict(query_mask_keep=0.9, doc_mask_keep=0.8, fully_masked_doc=True)
+CONFIGS = [
+    # ColBERT-like, every layout x dtype, masks with holes, both modes, hard and smooth
+    *[_config(layout, dtype, masked, tau, d, empty_doc=layout in ("list", "packed"), noncontiguous=nc, **MASKS)
+      for layout, nc in [("padded", False), ("candidates", True), ("list", False), ("packed", True)]
+      for dtype, d in [(BF16, 128), (FP16, 96), (FP32, 64)]
+      for masked, tau in [("exclude", None), ("zero", 0.05), ("zero", None), ("exclude", 1.0)]],
+    # wide features (chunked feature axis)
+    _config("padded", BF16, "exclude", None, 384, Lq=32, Ld=180, **MASKS),
+    _config("packed", BF16, "zero", 0.1, 1024, Lq=32, Ld=128, Nq=4, C=8, **MASKS),
+    _config("candidates", FP16, "exclude", None, 1024, Lq=16, Ld=64, Nq=4, C=4),
+    # long queries (ColPali image-to-image): the split query axis
+    _config("padded", BF16, "exclude", None, 128, Lq=1024, Ld=1030, Nq=2, C=4),
+    _config("padded", BF16, "zero", 0.1, 128, Lq=1024, Ld=1030, Nq=2, C=4, **MASKS),
+    _config("list", FP32, "exclude", None, 64, Lq=1024, Ld=700, Nq=2, C=4, empty_doc=True, **MASKS),
+    _config("candidates", BF16, "exclude", 0.05, 96, Lq=1024, Ld=257, Nq=2, C=3),
+    # one query against many documents; ColPali-sized documents
+    _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=300, Nq=1, C=512),
+    _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=1030, Nq=4, C=16, **MASKS),
+    _config("packed", BF16, "exclude", None, 128, Lq=31, Ld=257, Nq=3, C=200, empty_doc=True),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_scores_and_gradients_match_reference(config, seed):
+    check_against_reference(make_case(seed=seed, device=DEVICE, **config))
+
+
+def test_default_fp32_precision_allows_tf32(seed):
+    """fp32 inputs at the default precision ("high" allows tf32): scores within tf32 rounding."""
+    torch.set_float32_matmul_precision("high")
+    case = make_case(layout="padded", Nq=4, C=16, Lq=32, Ld=300, d=128, seed=seed, device=DEVICE)
+    got, _ = flash_scores_and_grads(case)
+    expected, _ = reference_scores_and_grads(case)
+    assert_scores_close(got, expected, case, rtol=2 ** -10)
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.1], ids=["hard", "smooth"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "candidates"])
+def test_bitwise_deterministic(layout, smooth_tau, seed):
+    case = make_case(layout=layout, Nq=8, C=64, Lq=1024 if layout == "padded" else 32, Ld=300, d=128,
+                     dtype=BF16, smooth_tau=smooth_tau, doc_mask_keep=0.9, seed=seed, device=DEVICE)
+    grad_out = upstream_gradient(case)
+    runs = [flash_scores_and_grads(case, grad_out) for _ in range(3)]
+    with torch.no_grad():
+        inference = [case.run(flash_maxsim.maxsim, case.leaves()) for _ in range(2)]
+    for scores, grads in runs[1:]:
+        assert torch.equal(scores, runs[0][0])
+        for a, b in zip(grads, runs[0][1]):
+            assert torch.equal(a, b)
+    assert torch.equal(inference[0], inference[1])
+
+
+def _peak_extra_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before, result
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.1], ids=["hard", "smooth"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_peak_memory_of_training_step_does_not_scale_with_similarities(layout, smooth_tau, seed):
+    Nq, B, Lq, Ld, d = 64, 256, 128, 1024, 128
+    case = make_case(layout=layout, Nq=Nq, C=B, Lq=Lq, Ld=Ld, d=d, dtype=BF16, smooth_tau=smooth_tau,
+                     lengths=[Ld] * B, seed=seed, device=DEVICE)
+    grad_out = upstream_gradient(case)
+    leaves = case.leaves()
+
+    def step():
+        scores = case.run(flash_maxsim.maxsim, leaves)
+        return torch.autograd.grad(scores, leaves, grad_out)
+
+    step()                                                    # compile the kernels outside the measurement
+    peak, _ = _peak_extra_bytes(step)
+    q_numel, d_numel = Nq * Lq * d, B * Ld * d
+    # gradients (input dtype) + dQ partial sums (<= 16 x fp32 [Nq, Lq, d]) + per-row state and its sort
+    # (aux, keys, permutation: a few words per (query, document, query token)) + row starts per document
+    # token + slack: nothing proportional to Lq * Ld
+    bound = (2 * 2 * (q_numel + d_numel) + 16 * 4 * q_numel + 32 * Nq * B * Lq + 8 * B * Ld + (32 << 20))
+    similarity_bytes = Nq * B * Lq * Ld * 4
+    assert similarity_bytes > 10 * bound
+    assert peak < bound, f"peak extra {peak / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+
+
+def test_peak_memory_of_scoring_is_scores_plus_workspace(seed):
+    Nq, B, Lq, Ld, d = 32, 1000, 32, 1030, 128
+    q = random_tensor((Nq, Lq, d), BF16, torch.Generator().manual_seed(seed), DEVICE)
+    docs = torch.randn(B, Ld, d, device=DEVICE, dtype=BF16)
+    with torch.no_grad():
+        flash_maxsim.maxsim(q, docs)
+        peak, _ = _peak_extra_bytes(lambda: flash_maxsim.maxsim(q, docs))
+    # scores, query-split partial sums and document-split row states: O(Nq * B * Lq) words at most
+    bound = 4 * 4 * Nq * B * Lq + (8 << 20)
+    assert Nq * B * Lq * Ld * 4 > 10 * bound
+    assert peak < bound, f"peak extra {peak / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+
+
+def _training_step(q, d, qmask, dmask, grad_out):
+    scores = flash_maxsim.maxsim(q, d, qmask, dmask, masked="zero", smooth_tau=None)
+    loss = (scores * grad_out).sum()
+    dq, dd = torch.autograd.grad(loss, (q, d))
+    return scores, dq, dd
+
+
+def _static_inputs(seed, Nq=8, B=32, Lq=32, Ld=300, d=128):
+    g = torch.Generator().manual_seed(seed)
+    q = random_tensor((Nq, Lq, d), BF16, g, DEVICE).requires_grad_()
+    d_ = random_tensor((B, Ld, d), BF16, g, DEVICE).requires_grad_()
+    qmask = (torch.rand(Nq, Lq, generator=g) < 0.9).to(DEVICE)
+    dmask = (torch.rand(B, Ld, generator=g) < 0.8).to(DEVICE)
+    grad_out = torch.randn(Nq, B, generator=g).to(DEVICE)
+    return q, d_, qmask, dmask, grad_out
+
+
+def _scores(q, d, qmask, dmask):
+    return flash_maxsim.maxsim(q, d, qmask, dmask, masked="zero")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_forward_and_backward(mode, seed):
+    """fullgraph compile (inductor; "reduce-overhead" also runs forward and backward graphs through CUDA
+    graphs) equals eager, forward and gradients (the backward graph is compiled by AOTAutograd)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_scores, fullgraph=True, mode=mode)
+    for step in range(3):                                     # several calls: recording, then replays
+        q, d, qmask, dmask, grad_out = _static_inputs(seed + step)
+        results = []
+        for fn in (_scores, compiled):
+            q.grad = d.grad = None
+            scores = fn(q, d, qmask, dmask)
+            (scores * grad_out).sum().backward()
+            results.append((scores.detach().clone(), q.grad.clone(), d.grad.clone()))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_cuda_graph_capture_and_replay(layout, seed):
+    q, d, qmask, dmask, grad_out = _static_inputs(seed)
+    if layout == "packed":
+        B, Ld = d.shape[:2]
+        offsets = torch.arange(0, B * Ld + 1, Ld, device=DEVICE)
+        values = d.detach().reshape(B * Ld, -1).clone().requires_grad_()
+        flat_mask = dmask.reshape(-1)
+
+        def step(q, values, qmask, flat_mask, grad_out):
+            packed = flash_maxsim.PackedDocuments(values, offsets, Ld)   # max_length: no host read
+            scores = flash_maxsim.maxsim(q, packed, qmask, flat_mask, masked="zero")
+            return (scores,) + torch.autograd.grad((scores * grad_out).sum(), (q, values))
+        args = [q, values, qmask, flat_mask, grad_out]
+    else:
+        step, args = _training_step, [q, d, qmask, dmask, grad_out]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                             # warm-up outside capture (kernel compilation)
+        for _ in range(2):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*args)
+
+    for replay in range(2):                                   # new data in the same buffers, then replay
+        fresh = _static_inputs(seed + 100 + replay)
+        with torch.no_grad():
+            args[0].copy_(fresh[0])
+            args[1].copy_(fresh[1].reshape(args[1].shape))
+            args[2].copy_(fresh[2])
+            args[3].copy_(fresh[3].reshape(args[3].shape))
+            args[4].copy_(fresh[4])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step(*args)
+        for a, b in zip(captured, eager):
+            assert torch.equal(a, b)
+
+
+def test_document_tensor_beyond_2_31_elements(seed):
+    """bf16 [2^15 + 1, 512, 128] (2^31 + 65536 elements, 4.3 GB): documents past the 2^31 boundary are scored
+    and differentiated correctly, padded and packed."""
+    B, Ld, d, Nq, Lq = 2 ** 15 + 1, 512, 128, 2, 32
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
+        pytest.skip("needs ~20 GB of device memory")
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    docs = torch.randn(B, Ld, d, generator=g, device=DEVICE, dtype=BF16)
+    assert docs.numel() > 2 ** 31
+    q = (torch.randn(Nq, Lq, d, generator=g, device=DEVICE) * d ** -0.5).to(BF16).requires_grad_()
+    last = [B - 4, B - 3, B - 2, B - 1]
+    # the document holding element 2^31 and its neighbours
+    boundary = 2 ** 31 // (Ld * d)
+    check_docs = [boundary - 1, boundary, boundary + 1] + last
+    grad_out = torch.randn(Nq, B, generator=g, device=DEVICE)
+
+    offsets = torch.arange(0, B * Ld + 1, Ld, device=DEVICE)
+    for documents in (docs, flash_maxsim.PackedDocuments(docs.view(B * Ld, d), offsets, Ld)):
+        d_leaf = (documents if isinstance(documents, torch.Tensor) else documents.values).requires_grad_()
+        scores = flash_maxsim.maxsim(q, documents)
+        (dd,) = torch.autograd.grad((scores * grad_out).sum(), (d_leaf,))
+        d_leaf.requires_grad_(False)
+        dd = dd.view(B, Ld, d)
+        sub = docs[check_docs].detach().double().requires_grad_()
+        q64 = q.detach().double()
+        expected = flash_maxsim.reference.maxsim(q64, sub)
+        scale = Lq * q64.norm(dim=-1).max().item() * sub.norm(dim=-1).max().item()
+        torch.testing.assert_close(scores[:, check_docs].double(), expected, rtol=0, atol=2e-5 * scale)
+        (expected_dd,) = torch.autograd.grad((expected * grad_out[:, check_docs].double()).sum(), (sub,))
+        torch.testing.assert_close(dd[check_docs].double(), expected_dd, rtol=2 ** -8, atol=1e-3)
+        del dd, scores

@@ -1,0 +1,185 @@
+"""enable()/disable(): what gets routed through flash_maxsim, exact restore, idempotence, FLASH_MAXSIM_DISABLE,
+nothing at import."""
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pylate = pytest.importorskip("pylate")
+
+import pylate.evaluation  # noqa: E402,F401  (imported here so that the snapshots see every module enable() imports)
+import pylate.losses  # noqa: E402
+import pylate.models  # noqa: E402
+import pylate.rank  # noqa: E402
+import pylate.retrieve  # noqa: E402,F401
+import pylate.scores  # noqa: E402
+from pylate.scores import SimilarityFunction  # noqa: E402
+
+from flash_maxsim.integrations import pylate as flash_pylate  # noqa: E402
+
+import pylate_testlib as lib  # noqa: E402
+
+
+def _snapshot():
+    """Every object the integration may touch: module-level names under pylate.*, the ColBERTScores method,
+    the losses' __init__ defaults, the ColBERT model class's own attributes."""
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("pylate."):
+            for attr, value in list(vars(module).items()):
+                state[(name, attr)] = value
+    if lib.HAS_COLBERT_SCORES_CLASS:
+        state["ColBERTScores.__call__"] = pylate.scores.ColBERTScores.__dict__["__call__"]
+    for cls in (pylate.losses.Contrastive, pylate.losses.CachedContrastive, pylate.losses.Distillation):
+        state[(cls.__name__, "defaults")] = cls.__init__.__defaults__
+        state[(cls.__name__, "kwdefaults")] = cls.__init__.__kwdefaults__
+    state["ColBERT.__dict__"] = dict(vars(pylate.models.ColBERT))
+    return state
+
+
+def _assert_same(before, after):
+    assert before.keys() <= after.keys()
+    changed = [k for k in before if before[k] is not after[k] and before[k] != after[k]]
+    assert not changed, f"not restored: {changed[:5]}"
+
+
+def _data(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    Q = lib.embeddings((3, 6, 16), g, side=+1)
+    D = lib.embeddings((4, 9, 16), g, side=-1)
+    return Q, D, lib.skiplist_mask((4, 9), g)
+
+
+def test_enable_disable_round_trip_restores_every_object():
+    before = _snapshot()
+    assert flash_pylate.enable() is True
+    during = _snapshot()
+    assert pylate.scores.colbert_scores is not before[("pylate.scores", "colbert_scores")]
+    assert pylate.rank.rank.colbert_scores is pylate.scores.colbert_scores      # `from ..scores import` copies too
+    assert pylate.scores.colbert_kd_scores is pylate.losses.distillation.colbert_kd_scores
+    changed = [k for k in before if before[k] is not during.get(k)]
+    assert len(changed) >= 6
+    flash_pylate.disable()
+    _assert_same(before, _snapshot())
+    assert not flash_pylate.is_enabled()
+    # and again: a second cycle patches and restores the same way
+    flash_pylate.enable()
+    assert pylate.rank.rank.colbert_scores is not before[("pylate.rank.rank", "colbert_scores")]
+    flash_pylate.disable()
+    _assert_same(before, _snapshot())
+
+
+def test_enable_is_idempotent_and_enabled_restores_previous_state():
+    flash_pylate.enable()
+    patched = pylate.scores.colbert_scores
+    patches = flash_pylate._integration._patches
+    assert flash_pylate.enable() is True
+    assert pylate.scores.colbert_scores is patched and flash_pylate._integration._patches is patches
+    with flash_pylate.enabled():
+        assert pylate.scores.colbert_scores is patched
+    assert flash_pylate.is_enabled()                                  # it was enabled before the block
+    flash_pylate.disable()
+    flash_pylate.disable()                                            # harmless
+    before = _snapshot()
+    with flash_pylate.enabled():
+        assert flash_pylate.is_enabled()
+    assert not flash_pylate.is_enabled()
+    _assert_same(before, _snapshot())
+
+
+def test_flash_maxsim_disable_environment_makes_enable_a_no_op(monkeypatch, flash_calls):
+    monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
+    monkeypatch.setattr(flash_pylate._integration, "_warned_env", False)
+    before = _snapshot()
+    with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
+        assert flash_pylate.enable() is False
+    assert not flash_pylate.is_enabled()
+    _assert_same(before, _snapshot())
+    Q, D, dmask = _data()
+    lib.pylate_colbert_scores(Q, D, None, dmask)
+    pylate.scores.colbert_scores(Q, D, None, dmask)
+    assert flash_calls.calls == 0
+
+
+def test_enable_logs_one_info_line(caplog):
+    with caplog.at_level(logging.INFO, logger="flash_maxsim"):
+        flash_pylate.enable()
+        flash_pylate.enable()
+    lines = [r for r in caplog.records if "PyLate now scores with flash_maxsim" in r.getMessage()]
+    assert len(lines) == 1 and "colbert_scores" in lines[0].getMessage()
+
+
+def test_import_changes_nothing():
+    code = ("import sys, flash_maxsim.integrations.pylate as p; "
+            "assert 'pylate' not in sys.modules, 'importing the integration imported PyLate'; "
+            "assert not p.is_enabled()")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "FLASH_MAXSIM_DISABLE": ""})
+
+
+def test_enabled_routes_scores_rerank_similarity_and_loss_defaults(flash_calls):
+    Q, D, dmask = _data()
+    expected = lib.pylate_colbert_scores(Q, D, None, dmask)
+    expected_kd = lib.pylate_colbert_kd_scores(Q, D[:3].reshape(3, 1, 9, 16), None, dmask[:3].reshape(3, 1, 9))
+    flash_pylate.enable()
+
+    # the module functions, whatever backend PyLate is asked for
+    kw = {"backend": "torch"} if lib.HAS_BACKEND_SWITCH else {}
+    torch.testing.assert_close(pylate.scores.colbert_scores(Q, D, None, dmask, **kw), expected, atol=2e-5, rtol=0)
+    assert flash_calls.calls == 1
+    # what a ColBERT model's `similarity` resolves to (the IR evaluators' score function)
+    similarity = SimilarityFunction.to_similarity_fn("MaxSim")
+    torch.testing.assert_close(similarity(Q, D, None, dmask), expected, atol=2e-5, rtol=0)
+    assert flash_calls.calls == 2
+    # the losses' default score_metric, bound when PyLate was imported (model not needed to build them)
+    distillation = pylate.losses.Distillation(model=None)
+    torch.testing.assert_close(distillation.score_metric(Q, D[:3].reshape(3, 1, 9, 16), None,
+                                                         dmask[:3].reshape(3, 1, 9)), expected_kd, atol=2e-5, rtol=0)
+    assert flash_calls.calls == 3
+    contrastive = pylate.losses.Contrastive(model=None)
+    contrastive.score_metric(Q, D.reshape(2, 2, 9, 16) if lib.HAS_COLBERT_SCORES_CLASS else D, None,
+                             dmask.reshape(2, 2, 9) if lib.HAS_COLBERT_SCORES_CLASS else dmask)
+    assert flash_calls.calls == 4
+
+    # rank.rerank: padded documents, no masks, per query; same order and scores as PyLate's own
+    doc_lists = [[D[i, : 3 + 2 * i].numpy() for i in range(4)], [D[i, : 9 - i].numpy() for i in range(4)]]
+    ids = [["a", "b", "c", "d"], ["e", "f", "g", "h"]]
+    flash_pylate.disable()
+    reference_ranking = pylate.rank.rerank(documents_ids=ids, queries_embeddings=[Q[0].numpy(), Q[1].numpy()],
+                                           documents_embeddings=doc_lists)
+    calls = flash_calls.calls
+    flash_pylate.enable()
+    ranking = pylate.rank.rerank(documents_ids=ids, queries_embeddings=[Q[0].numpy(), Q[1].numpy()],
+                                 documents_embeddings=doc_lists)
+    assert flash_calls.calls == calls + 2
+    assert [[r["id"] for r in q] for q in ranking] == [[r["id"] for r in q] for q in reference_ranking]
+    for q, q_ref in zip(ranking, reference_ranking):
+        assert [r["score"] for r in q] == pytest.approx([r["score"] for r in q_ref], abs=2e-5)
+
+
+@pytest.mark.skipif(not lib.HAS_COLBERT_SCORES_CLASS, reason="PyLate < 1.5 has no ColBERTScores")
+def test_colbert_scores_objects_made_before_enable_follow_the_switch(flash_calls):
+    Q, D, dmask = _data(7)
+    D, dmask = D.reshape(2, 2, 9, 16), dmask.reshape(2, 2, 9)
+    scorer = pylate.scores.ColBERTScores()
+    expected = scorer(Q, D, None, dmask, backend="torch")
+    with flash_pylate.enabled():
+        torch.testing.assert_close(scorer(Q, D, None, dmask), expected, atol=2e-5, rtol=0)
+        assert flash_calls.calls == 1
+    scorer(Q, D, None, dmask)
+    assert flash_calls.calls == 1
+
+
+def test_functions_handed_out_while_enabled_go_back_to_pylate_after_disable(flash_calls):
+    Q, D, dmask = _data(9)
+    with flash_pylate.enabled():
+        handed_out = pylate.scores.colbert_scores
+        distillation_metric = pylate.losses.Distillation(model=None).score_metric
+    torch.testing.assert_close(handed_out(Q, D, None, dmask), lib.pylate_colbert_scores(Q, D, None, dmask))
+    distillation_metric(Q, D[:3].unsqueeze(1), None, dmask[:3].unsqueeze(1))
+    assert flash_calls.calls == 0
+    assert handed_out.flash_maxsim_original is lib.PYLATE_COLBERT_SCORES

@@ -1,0 +1,102 @@
+"""The four multi-vector losses: loss values and every parameter gradient equal sentence-transformers' own.
+
+Each loss runs forward + backward on the real MiniLM MultiVectorEncoder (eval mode: no dropout), once with
+sentence-transformers' scoring (the oracle), then with flash_maxsim reached four ways: a loss built after
+enable() (default similarity_fct, one fused call), a loss built before enable() (it holds the original
+colbert_scores, whose inner maxsim is patched), the drop-in passed as similarity_fct without enable(), and the
+MeanMaxSim drop-in against sentence-transformers' MeanMaxSim function.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_maxsim.integrations import sentence_transformers as fst
+from sentence_transformers.multi_vector_encoder import losses
+
+from st_cases import DOCUMENTS, ORIGINAL, QUERIES, features
+
+# name -> (loss class, extra constructor arguments, default scoring function, MeanMaxSim scoring function)
+LOSSES = {
+    "mnrl": (losses.MultiVectorMultipleNegativesRankingLoss, {}, "colbert_scores", "mean_colbert_scores"),
+    "cached_mnrl": (losses.CachedMultiVectorMultipleNegativesRankingLoss, {"mini_batch_size": 2},
+                    "colbert_scores", "mean_colbert_scores"),
+    "distill_kl": (losses.MultiVectorDistillKLDivLoss, {"temperature": 0.5}, "colbert_kd_scores",
+                   "mean_colbert_kd_scores"),
+    "margin_mse": (losses.MultiVectorMarginMSELoss, {}, "colbert_scores_pairwise", "mean_colbert_scores_pairwise"),
+}
+
+# query, positive and hard-negative columns; documents 8 and 10 lose every token under keep_only
+COLUMNS = [QUERIES[:4], DOCUMENTS[:4], DOCUMENTS[6:10], DOCUMENTS[8:12]]
+
+
+def _batch(name):
+    generator = torch.Generator().manual_seed(5)
+    if name == "distill_kl":
+        return COLUMNS, torch.randn(4, 3, generator=generator) * 3        # teacher scores per candidate
+    if name == "margin_mse":
+        return COLUMNS[:3], torch.randn(4, generator=generator)            # teacher margins
+    return COLUMNS[:3], None
+
+
+def _run(model, loss, name):
+    columns, labels = _batch(name)
+    model.zero_grad(set_to_none=True)
+    inputs = [features(model, texts, "query" if i == 0 else "document") for i, texts in enumerate(columns)]
+    value = loss(inputs, labels)
+    value.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return value.detach(), grads
+
+
+def _assert_same(got, expected):
+    value, grads = got
+    expected_value, expected_grads = expected
+    torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 50      # BERT layers and the projection
+    # one absolute scale for all tensors: some gradients are zero in exact arithmetic (e.g. attention key
+    # biases, which softmax cancels) and hold only rounding noise
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    assert scale > 0
+    for key in expected_grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_loss_and_parameter_gradients_equal_sentence_transformers(model, mask_config, name, flash_calls):
+    cls, kwargs, default_fn, mean_fn = LOSSES[name]
+    expected = _run(model, cls(model, **kwargs), name)
+    assert expected[0].isfinite() and expected[0] != 0
+    assert not flash_calls
+
+    built_before = cls(model, **kwargs)
+    assert built_before.similarity_fct is ORIGINAL[default_fn]
+    with fst.enabled():
+        built_after = cls(model, **kwargs)
+        assert built_after.similarity_fct.__name__ == default_fn          # the model card keeps its name
+        _assert_same(_run(model, built_after, name), expected)
+        fused_calls = len(flash_calls)
+        _assert_same(_run(model, built_before, name), expected)
+    assert 0 < fused_calls < len(flash_calls)
+
+    flash_calls.clear()
+    dropin = cls(model, similarity_fct=getattr(fst, default_fn), **kwargs)
+    _assert_same(_run(model, dropin, name), expected)
+    assert flash_calls
+
+    # MeanMaxSim training
+    expected_mean = _run(model, cls(model, similarity_fct=ORIGINAL[mean_fn], **kwargs), name)
+    _assert_same(_run(model, cls(model, similarity_fct=getattr(fst, mean_fn), **kwargs), name), expected_mean)
+
+
+def test_a_loss_built_while_enabled_falls_back_after_disable(model, flash_calls):
+    name = "mnrl"
+    cls, kwargs, _, _ = LOSSES[name]
+    expected = _run(model, cls(model, **kwargs), name)
+    with fst.enabled():
+        loss = cls(model, **kwargs)
+    _assert_same(_run(model, loss, name), expected)
+    assert not flash_calls                    # sentence-transformers' own scoring again once disabled
