@@ -233,7 +233,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--full", action="store_true", help="every dtype and shape in the correctness round")
-    ap.add_argument("--sweep", action="store_true", help="try tile configurations per forward shape")
+    ap.add_argument("--sweep", action="store_true", help="try backward/forward variants per training shape")
+    ap.add_argument("--fwd-sweep", action="store_true", help="try tile configurations per forward shape")
     ap.add_argument("--profile", action="store_true", help="kernel time breakdown of two training steps")
     args = ap.parse_args()
     dev = "cuda"
@@ -241,7 +242,7 @@ def main():
     ok = True if args.skip_correctness else correctness(dev, args.full)
     print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f}s)", flush=True)
     torch.set_float32_matmul_precision("highest")
-    fwd = forward_table(dev, args.quick, args.sweep)
+    fwd = forward_table(dev, args.quick, args.fwd_sweep)
     trn = train_table(dev, args.sweep)
     if args.profile:
         profile_steps(dev)
