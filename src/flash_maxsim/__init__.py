@@ -6,8 +6,9 @@ called.
 
 from ._api import maxsim
 from ._layout import PackedDocuments, pack
+from .quantization import QuantizedDocuments, quantize
 from . import reference
 
 __version__ = "0.1.0"
 
-__all__ = ["maxsim", "pack", "PackedDocuments", "reference", "__version__"]
+__all__ = ["maxsim", "pack", "PackedDocuments", "quantize", "QuantizedDocuments", "reference", "__version__"]

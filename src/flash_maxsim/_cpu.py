@@ -21,6 +21,8 @@ def _document_block(p, t0: int, t1: int):
     """Documents t0..t1 as padded fp32 ``[g, L, d]``, plus in-document and valid masks ``[g, L]``."""
     if p.offsets is None:
         D = p.documents[t0:t1].float()
+        if p.document_scales is not None:
+            D = D * p.document_scales[t0:t1, :, None]
         in_doc = torch.ones(D.shape[:2], dtype=torch.bool, device=D.device)
         valid = in_doc if p.documents_mask is None else p.documents_mask[t0:t1].bool()
         return D, in_doc, valid, None
@@ -31,6 +33,8 @@ def _document_block(p, t0: int, t1: int):
     in_doc = pos[None, :] < lengths[:, None]
     rows = (starts[:, None] + pos[None, :]).clamp(max=max(p.documents.shape[0] - 1, 0))
     D = p.documents[rows].float() * in_doc[..., None]
+    if p.document_scales is not None:
+        D = D * p.document_scales[rows][..., None]
     valid = in_doc if p.documents_mask is None else in_doc & p.documents_mask[rows].bool()
     return D, in_doc, valid, rows
 

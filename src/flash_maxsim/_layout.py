@@ -46,6 +46,7 @@ class Problem:
     max_length: int
     candidates: int
     single_query: bool
+    document_scales: Optional[torch.Tensor] = None   # quantized documents: fp32 per token, shaped like a mask
 
     @property
     def num_columns(self) -> int:
@@ -100,6 +101,15 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             raise TypeError(f"`smooth_tau` must be a float > 0 or None, got {type(smooth_tau).__name__}")
         if not smooth_tau > 0:
             raise ValueError(f"`smooth_tau` must be > 0, got {smooth_tau}")
+    from .quantization import QuantizedDocuments
+    quantized = isinstance(documents, QuantizedDocuments)
+    scales = None
+    if quantized:
+        if documents_mask is None:
+            documents_mask = documents.mask
+        scales = documents.scales
+        documents = documents.values if documents.offsets is None else \
+            PackedDocuments(documents.values, documents.offsets, documents.max_length)
     single = queries.dim() == 2
     Q = queries.unsqueeze(0) if single else queries
     Nq, Lq, d = Q.shape
@@ -112,7 +122,11 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
     qmask = _as_mask("queries_mask", qmask, (Nq, Lq), device)
 
     def check_docs(name, x):
-        _check_floating(name, x, Q.dtype)
+        if quantized:
+            if x.dtype not in (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8)):
+                raise TypeError(f"quantized `{name}` has dtype {x.dtype}; expected int8 or float8_e4m3fn")
+        else:
+            _check_floating(name, x, Q.dtype)
         if x.device != device:
             raise ValueError(f"`{name}` is on {x.device}; expected the queries' device {device}")
         if x.shape[-1] != d:
@@ -200,4 +214,11 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         raise TypeError(f"`documents` must be a tensor, a list of tensors or PackedDocuments, "
                         f"got {type(documents).__name__}")
 
-    return Problem(Q, qmask, docs, dmask, offsets, int(max_length), int(candidates), single)
+    if quantized:
+        want = tuple(docs.shape[:-1])
+        scales = scales.reshape(want) if scales.numel() == docs[..., 0].numel() else scales
+        if tuple(scales.shape) != want or scales.device != device:
+            raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}] on {scales.device}; "
+                             f"expected [{', '.join(map(str, want))}] on {device}")
+        scales = scales.to(torch.float32)
+    return Problem(Q, qmask, docs, dmask, offsets, int(max_length), int(candidates), single, scales)

@@ -49,8 +49,10 @@ def _use_triton(x: Tensor) -> bool:
     return x.device.type == "cuda" or (x.device.type == "cpu" and launch.interpreting())
 
 
-def _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates) -> Problem:
-    return Problem(queries, queries_mask, documents, documents_mask, offsets, max_length, candidates, False)
+def _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
+             document_scales=None) -> Problem:
+    return Problem(queries, queries_mask, documents, documents_mask, offsets, max_length, candidates, False,
+                   document_scales)
 
 
 def _aux_dtype(smooth_tau):
@@ -58,9 +60,10 @@ def _aux_dtype(smooth_tau):
 
 
 def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
-                 zero_masked, smooth_tau, save_aux):
-    """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty)."""
-    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates)
+                 zero_masked, smooth_tau, save_aux, document_scales=None):
+    """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty).
+    ``document_scales`` (fp32, shaped like a documents mask) marks int8/fp8 documents: D = scale * values."""
+    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
     Nq, Lq, _ = queries.shape
     C = p.num_columns
     if Nq == 0 or C == 0 or Lq == 0:
@@ -70,22 +73,23 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
                 torch.full(aux_shape, fill, dtype=_aux_dtype(smooth_tau), device=queries.device))
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
-                              zero_masked, smooth_tau, save_aux, max_length)
+                              zero_masked, smooth_tau, save_aux, max_length, document_scales)
     return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
 
 
 @torch.library.custom_op(f"{_LIB}::maxsim_fwd", mutates_args=())
 def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
                documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, candidates: int,
-               zero_masked: bool, smooth_tau: Optional[float], save_aux: bool) -> tuple[Tensor, Tensor]:
+               zero_masked: bool, smooth_tau: Optional[float], save_aux: bool,
+               document_scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty)."""
     return forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
-                        zero_masked, smooth_tau, save_aux)
+                        zero_masked, smooth_tau, save_aux, document_scales)
 
 
 @maxsim_fwd.register_fake
 def _(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, zero_masked,
-      smooth_tau, save_aux):
+      smooth_tau, save_aux, document_scales=None):
     Nq, Lq, _ = queries.shape
     if candidates:
         C = candidates
@@ -137,7 +141,7 @@ def _(grad, queries, documents, queries_mask, documents_mask, offsets, max_lengt
 
 
 def _setup_context(ctx, inputs, output):
-    queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, _, smooth_tau, save_aux = inputs
+    queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, _, smooth_tau, save_aux = inputs[:10]
     _, aux = output
     ctx.save_for_backward(queries, documents, queries_mask, documents_mask, offsets, aux)
     ctx.max_length, ctx.candidates, ctx.smooth_tau, ctx.save_aux = max_length, candidates, smooth_tau, save_aux
@@ -147,13 +151,13 @@ def _backward(ctx, grad_scores, _grad_aux):
     queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_q or need_d):
-        return (None,) * 10
+        return (None,) * 11
     if not ctx.save_aux:
         raise RuntimeError("flash_maxsim: the forward ran with save_aux=False (no gradient expected); "
                            "call flash_maxsim.maxsim with inputs that require grad")
     dq, dd = maxsim_bwd(grad_scores, queries, documents, queries_mask, documents_mask, offsets, ctx.max_length,
                         aux, ctx.candidates, ctx.smooth_tau, need_q, need_d, False)
-    return (dq if need_q else None), (dd if need_d else None), None, None, None, None, None, None, None, None
+    return (dq if need_q else None), (dd if need_d else None), None, None, None, None, None, None, None, None, None
 
 
 maxsim_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -187,6 +191,15 @@ def scores(p: Problem, zero_masked: bool, smooth_tau: Optional[float]) -> Tensor
     registered custom op (one graph node, fake tensors, CUDA-graph safe); in eager mode through the same
     implementation directly."""
     needs_grad = torch.is_grad_enabled() and (p.queries.requires_grad or p.documents.requires_grad)
+    if p.document_scales is not None:
+        if needs_grad:
+            raise ValueError("quantized documents are scoring-only: `queries` must not require grad "
+                             "(wrap the call in torch.no_grad() or detach the queries)")
+        args = (p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length, p.candidates,
+                zero_masked, smooth_tau, False, p.document_scales)
+        if torch.compiler.is_compiling():
+            return maxsim_fwd(*args)[0]
+        return forward_impl(*args)[0]
     args = (p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length, p.candidates,
             zero_masked, smooth_tau)
     if torch.compiler.is_compiling():

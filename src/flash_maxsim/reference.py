@@ -49,9 +49,9 @@ def _document_lists(documents, documents_mask):
         return docs, masks, K
     if isinstance(documents, torch.Tensor):
         return list(documents), None if documents_mask is None else list(documents_mask), 0
-    if isinstance(documents, tuple) and len(documents) == 2 and isinstance(documents[1], torch.Tensor) \
-            and documents[1].dim() == 1 and documents[0].dim() == 2:
-        values, offsets = documents
+    if isinstance(documents, tuple) and len(documents) in (2, 3) and isinstance(documents[1], torch.Tensor) \
+            and documents[1].dim() == 1 and documents[0].dim() == 2:      # PackedDocuments / (values, offsets)
+        values, offsets = documents[0], documents[1]
         offs = offsets.tolist()
         docs = [values[offs[t]:offs[t + 1]] for t in range(len(offs) - 1)]
         if documents_mask is None:

@@ -35,8 +35,8 @@ def _similarity_tile(
     if D_CHUNKS == 1:
         dmask = col_ok[:, None] & (d_cols0[None, :] < d)
         d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, mask=dmask, other=0.0)
-        if UPCAST:
-            d_tile = d_tile.to(tl.float32)
+        # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents)
+        d_tile = d_tile.to(q_tile.dtype)
         s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
     else:
         s = tl.zeros((q_row_off.shape[0], d_row_off.shape[0]), dtype=tl.float32)
@@ -48,14 +48,14 @@ def _similarity_tile(
                          mask=col_ok[:, None] & (cols[None, :] < d), other=0.0)
             if UPCAST:
                 qk = qk.to(tl.float32)
-                dk = dk.to(tl.float32)
+            dk = dk.to(qk.dtype)
             s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
     return s
 
 
 @triton.jit
 def maxsim_fwd_kernel(
-    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX,
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
     Nq, Lq, d, Ld, K,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
@@ -66,7 +66,7 @@ def maxsim_fwd_kernel(
     stride_an, stride_ac, stride_al,
     stride_rs, stride_rn, stride_rc, stride_rl,
     tau, inv_tau_log2e,
-    ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    HAS_SCALES: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -127,6 +127,10 @@ def maxsim_fwd_kernel(
         in_range = n < n_hi
         s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                              stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+        if HAS_SCALES:
+            # quantized documents: scales share the mask's layout (per document token)
+            sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+            s = s * sc[None, :]
         if HAS_DMASK:
             dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
             valid = in_range & (dm != 0)

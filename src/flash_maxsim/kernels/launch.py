@@ -81,7 +81,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux):
 
 
 def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-            save_aux, max_len=None):
+            save_aux, max_len=None, document_scales=None):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
@@ -122,6 +122,14 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
     sdmt, sdml = _mask_strides(documents_mask, offsets)
+    if document_scales is not None:
+        # scales are read with the mask's strides: give both the same (contiguous) layout
+        document_scales = document_scales.contiguous()
+        if documents_mask is not None:
+            documents_mask = documents_mask.contiguous()
+        sdmt, sdml = _mask_strides(document_scales, offsets)
+        if queries.is_cuda and documents.dtype != torch.int8 and torch.cuda.get_device_capability(queries.device) < (8, 9):
+            raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
     tau = float(smooth_tau) if smooth else 1.0
     upcast = interpreting() and queries.dtype == torch.bfloat16
     grid = (T * n_qblocks * n_splits * n_ds,)
@@ -131,6 +139,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         documents_mask if documents_mask is not None else dummy,
         offsets if offsets is not None else dummy,
         scores, aux,
+        document_scales if document_scales is not None else dummy,
         Nq, Lq, d, Ld, max(candidates, 1),
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         queries.stride(0), queries.stride(1), queries.stride(2),
@@ -139,7 +148,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         sdmt, sdml,
         *so, *sa, *sr,
         tau, math.log2(math.e) / tau,
-        ROW_OUT=row_out, PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+        HAS_SCALES=document_scales is not None, ROW_OUT=row_out, PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
         HAS_DMASK=documents_mask is not None, ZERO_MASKED=bool(zero_masked), SMOOTH=smooth,
         SAVE_AUX=bool(save_aux) and not row_out,
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
