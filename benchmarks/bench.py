@@ -1190,7 +1190,7 @@ def parse_args(argv=None):
     p.add_argument("--peers", default="lik,fmpypi", help="comma list of peers (lik, fmpypi) or 'none'")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warmup in ms (default 10; 5 with --quick)")
-    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time in ms (default 50; 20 --quick)")
+    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time in ms (default 50; 20 with --quick)")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="soft wall-clock budget: measurements not started by then are recorded as skipped")
     p.add_argument("--max-eager-ms", type=float, default=2000.0,
