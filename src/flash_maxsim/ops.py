@@ -74,7 +74,9 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
                               zero_masked, smooth_tau, save_aux, max_length, document_scales)
-    return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
+    # the exact path computes in fp32 whatever autocast region the caller is in
+    with torch.autocast(queries.device.type, enabled=False):
+        return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
 
 
 @torch.library.custom_op(f"{_LIB}::maxsim_fwd", mutates_args=())
@@ -115,7 +117,8 @@ def backward_impl(grad, queries, documents, queries_mask, documents_mask, offset
         dq, dd = launch.backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux,
                                  candidates, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
     else:
-        dq, dd = _cpu.backward(grad, p, aux, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
+        with torch.autocast(queries.device.type, enabled=False):
+            dq, dd = _cpu.backward(grad, p, aux, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
     empty = queries.new_empty((0,), dtype=grad_dtype or queries.dtype)
     return (dq if need_queries_grad else empty), (dd if need_documents_grad else empty.clone())
 

@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 import flash_maxsim
-from flash_maxsim._layout import PackedDocuments
 
 from ._patches import Integration, PatchSet
 
@@ -239,7 +238,8 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
         values = torch.cat(pieces).to(device)
         longest = max(lengths[i] + extra[i] for i in range(start, stop))
         offsets = torch.tensor(offsets, dtype=torch.int64, device=values.device)
-        yield PackedDocuments(values, offsets, longest)
+        yield flash_maxsim.PackedDocuments(values, offsets, longest)
+        del values, offsets, pieces      # before the next chunk exists: one chunk at a time
         start = stop
 
 
@@ -267,6 +267,7 @@ def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Ten
     columns = []
     for documents in _document_chunks(ps, batch_size, device):
         columns.append(_late_interaction(queries, documents).cpu())
+        del documents                    # freed before the next chunk is packed
     return torch.cat(columns, dim=1).to(torch.float32)
 
 

@@ -177,3 +177,38 @@ def optional_import(name: str) -> Optional[object]:
         return __import__(name, fromlist=["_"])
     except ImportError:
         return None
+
+
+class LargestTensor:
+    """A dispatch mode recording the largest tensor any aten op outputs (flash_maxsim's custom op is opaque to
+    it on CUDA: its Triton kernels call no aten op). The library's einsum materialises [B, B, Lq, Ld]."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for item in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(item, torch.Tensor):
+                        recorder.largest = max(recorder.largest, item.numel())
+                return out
+
+        self.largest = 0
+        self.mode = _Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def frobenius_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||: robust to the rare hard-max near-ties that fp32 summation order flips at
+    realistic sizes (each moves one token's gradient to an almost equally similar token)."""
+    want = want.detach().double()
+    return ((got.detach().double() - want).norm() / want.norm()).item()
