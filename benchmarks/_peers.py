@@ -15,6 +15,19 @@ The peers are read for facts (their public call signatures), never copied:
   It computes in fp16 internally (bf16 inputs are converted on load).
 
 Neither peer has a smooth (log-sum-exp) max: :meth:`Peer.train_scores` returns None for it.
+
+Compressed (8-bit) document paths, :meth:`Peer.compressed_variants`; both peers quantise the queries as well:
+
+- flash-maxsim 0.3.0 ``flash_maxsim_int8x8(Q [Lq, d], D_int8 [B, Ld, d], d_scales [B, Ld(, 1)], Q_int8=None,
+  q_scales=None) -> [B]``: int8 x int8 tensor-core products (int32), ``S = S_int32 * q_scale * d_scale``.
+  Documents come from its ``quantize_int8_symmetric(D) -> (int8, fp16 scales [B, Ld, 1])`` (per token, absmax /
+  127, the division done in D's dtype); the query from ``quantize_query_int8(Q [Lq, d]) -> (int8, fp16 [Lq])``,
+  on the fly inside the call when ``Q_int8`` is not given. One query only.
+- late-interaction-kernels 0.4.5 ``late_interaction_kernels.fp8.maxsim_inference_fp8(Q, D, *, scale_Q, scale_D)``:
+  Q and D both ``float8_e4m3fn`` (a bf16 Q sends it to its dequantise-to-bf16 fallback), scales per tensor
+  (``()``) or per token (``[N, L]``) from its ``quantize_fp8_per_tensor`` / ``quantize_fp8_per_token`` (amax /
+  448, fp32). Its fp8 kernel needs CUDA and compute capability >= 9; elsewhere it warns once and falls back to
+  dequantised bf16 (the CPU smoke run only exercises that fallback).
 """
 
 from __future__ import annotations
@@ -29,6 +42,29 @@ import torch
 log = logging.getLogger("flash_maxsim.bench")
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class CompressedVariant:
+    """One way of scoring a compressed document index.
+
+    ``prepare(queries, documents)`` does the index-time work (quantising the documents, and the queries for the
+    "pre-quantised" variants) outside the timed region and returns the inputs of ``call``; ``call(*inputs)``
+    returns ``[Nq, B]`` fp32 scores; ``index_nbytes(inputs)`` is the bytes the index keeps resident;
+    ``dequantized(inputs, n_docs)`` returns the float64 queries ``[Nq, Lq, d]`` and first ``n_docs`` documents
+    that ``call`` actually multiplies (after its own quantisation), to check its arithmetic against the float64
+    reference; ``note()`` returns a caveat to print with the result (or None)."""
+
+    name: str
+    prepare: Callable[[torch.Tensor, torch.Tensor], tuple]
+    call: Callable[..., torch.Tensor]
+    index_nbytes: Callable[[tuple], int]
+    dequantized: Callable[[tuple, int], tuple]
+    note: Callable[[], Optional[str]] = lambda: None
+
+
+def tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -52,6 +88,18 @@ class Peer:
         or None when the peer has no such operation."""
         raise NotImplementedError
 
+    compressed_label = "compressed"
+
+    def compressed_variants(self, num_queries: int) -> list[CompressedVariant]:
+        """The peer's 8-bit document paths for ``num_queries`` queries against ``[B, Ld, d]`` documents (empty
+        when it has none for that case). The benchmark keeps the fastest one whose arithmetic checks out."""
+        return []
+
+
+def _per_token_dequant(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 ``values * scales``, one scale per vector (``scales`` ``[..., L]`` or ``[..., L, 1]``)."""
+    return values.double() * scales.double().reshape(*values.shape[:-1], 1)
+
 
 class _LateInteractionKernels(Peer):
     def forward_variants(self, queries, documents):
@@ -63,6 +111,53 @@ class _LateInteractionKernels(Peer):
             return None
         maxsim = self.module.maxsim
         return lambda q, d: maxsim(q, d)  # dispatches on d.dim(): 3-D in-batch, 4-D per-query candidates
+
+    compressed_label = "fp8"
+
+    def compressed_variants(self, num_queries):
+        fp8 = importlib.import_module(f"{self.module.__name__}.fp8")
+        score = fp8.maxsim_inference_fp8
+
+        def fallback_note():
+            # its one-shot flag, set when it has warned that it fell back to dequantised bf16
+            if getattr(fp8, "_WARNED_FP8_FALLBACK", False):
+                return "LIK fell back to its dequantised-bf16 path (its fp8 kernel needs a CUDA GPU with CC >= 9)"
+            return None
+
+        def index_nbytes(inputs):
+            return tensor_bytes(*inputs[-2:])       # fp8 documents and their scale(s)
+
+        def make(scaling, quantize, dequantize):
+            def per_call(q, d, d_scale):
+                q8, q_scale = quantize(q)
+                return score(q8, d, scale_Q=q_scale, scale_D=d_scale)
+
+            def pre_quantised(q8, q_scale, d, d_scale):
+                return score(q8, d, scale_Q=q_scale, scale_D=d_scale)
+
+            def dequantized(inputs, n_docs):
+                if len(inputs) == 3:
+                    q8, q_scale = quantize(inputs[0])
+                    d, d_scale = inputs[1:]
+                else:
+                    q8, q_scale, d, d_scale = inputs
+                d_scale = d_scale[:n_docs] if d_scale.dim() else d_scale
+                return dequantize(q8, q_scale).double(), dequantize(d[:n_docs], d_scale).double()
+
+            return [
+                # the query quantised inside the timed call (what a search service does per request) ...
+                CompressedVariant(f"maxsim_inference_fp8, {scaling}, query quantised per call",
+                                  prepare=lambda q, d: (q, *quantize(d)), call=per_call,
+                                  index_nbytes=index_nbytes, dequantized=dequantized, note=fallback_note),
+                # ... and beforehand: the kernel alone
+                CompressedVariant(f"maxsim_inference_fp8, {scaling}, query pre-quantised",
+                                  prepare=lambda q, d: (*quantize(q), *quantize(d)), call=pre_quantised,
+                                  index_nbytes=index_nbytes, dequantized=dequantized, note=fallback_note),
+            ]
+
+        # per-token scales: the layout of issue 7 (and of flash_maxsim.quantize); per-tensor: LIK's docstring example
+        return (make("per-token scales", fp8.quantize_fp8_per_token, fp8.dequantize_fp8_per_token)
+                + make("per-tensor scales", fp8.quantize_fp8_per_tensor, fp8.dequantize_fp8_per_tensor))
 
 
 class _FlashMaxsimPypi(Peer):
@@ -86,6 +181,35 @@ class _FlashMaxsimPypi(Peer):
         if layout == "kd":
             return lambda q, d: train(q, d, shared_docs=False)
         return lambda q, d: train(q, d, shared_docs=True)
+
+    compressed_label = "int8×int8"
+
+    def compressed_variants(self, num_queries):
+        m = self.module
+        if num_queries != 1:
+            return []       # flash_maxsim_int8x8 scores one query [Lq, d]
+
+        def dequantized(inputs, n_docs):
+            q0, d, d_scale = inputs[:3]
+            q, q_scale = inputs[3:] if len(inputs) == 5 else m.quantize_query_int8(q0)
+            return (_per_token_dequant(q, q_scale)[None], _per_token_dequant(d[:n_docs], d_scale[:n_docs]))
+
+        def index_nbytes(inputs):
+            return tensor_bytes(*inputs[1:3])
+
+        return [
+            # its documented default: a float query, quantised on the fly inside the call
+            CompressedVariant("flash_maxsim_int8x8, query quantised per call",
+                              prepare=lambda q, d: (q[0], *m.quantize_int8_symmetric(d)),
+                              call=lambda q0, d, sd: m.flash_maxsim_int8x8(q0, d, sd).unsqueeze(0),
+                              index_nbytes=index_nbytes, dequantized=dequantized),
+            CompressedVariant("flash_maxsim_int8x8, query pre-quantised",
+                              prepare=lambda q, d: (q[0], *m.quantize_int8_symmetric(d),
+                                                    *m.quantize_query_int8(q[0])),
+                              call=lambda q0, d, sd, qi, qs: m.flash_maxsim_int8x8(q0, d, sd, Q_int8=qi,
+                                                                                    q_scales=qs).unsqueeze(0),
+                              index_nbytes=index_nbytes, dequantized=dequantized),
+        ]
 
 
 _KNOWN = {

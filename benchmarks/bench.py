@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark of flash_maxsim: forward scoring and training steps against eager PyTorch,
-colpali-engine's chunked loop and the two peer kernel packages, with a roofline floor measured in the same run.
+colpali-engine's chunked loop and the two peer kernel packages, and scoring of a compressed (int8 / fp8) index
+against the peers' compressed paths, with a roofline floor measured in the same run.
 
 Run on the GPU machine (see benchmarks/README.md for the exact command):
 
     python benchmarks/bench.py --out OUT_DIR [--quick] [--sections forward,training] [--only 1x10k]
+    python benchmarks/bench.py --out OUT_DIR --sections compressed        # issue 7 only
 
 Test every code path on the CPU (tiny shapes, flash_maxsim's CPU path, time.perf_counter timings):
 
@@ -50,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from _peers import CompressedVariant, tensor_bytes  # noqa: E402
 
 log = logging.getLogger("flash_maxsim.bench")
 
@@ -125,6 +129,15 @@ TRAIN_SHAPES = [
     TrainShape("KD 64 queries x 64 candidates, 32x300", 64, 64, 32, 300, 128, "kd", None,
                (1.79, 601), "0.99 / 301", 0.40, 64),
 ]
+
+# issue 7, compressed index (H200, d=128, one query, queries in bf16): time targets, and index bytes at most
+# COMPRESSED_TARGET_BYTES of the bf16 index
+COMPRESSED_SHAPES = [
+    ForwardShape("1x10k, 32x300", 1, 10000, 32, 300, 128, target_ms=0.11),
+    ForwardShape("1x10k, 32x1030", 1, 10000, 32, 1030, 128, target_ms=0.33),
+    ForwardShape("1x10k, 1024x1024", 1, 10000, 1024, 1024, 128, target_ms=2.5),
+]
+COMPRESSED_TARGET_BYTES = 0.53
 
 FORWARD_SWEEP_B = [1000, 3000, 10000, 30000, 100000]
 FORWARD_SWEEP_B_QUICK = [1000, 10000, 100000]
@@ -262,6 +275,7 @@ class Machine:
             self.name = f"CPU ({platform.processor() or platform.machine()}), smoke test"
         self.copy_bw = None     # bytes/s, measured by measure_roofline
         self.mm_flops = None    # flop/s, measured by measure_roofline
+        self.mm8_rates = None   # int8 / fp8 matmul rates, measured by measure_8bit_rates (compressed section)
 
     def sync(self):
         if self.cuda:
@@ -319,6 +333,36 @@ def measure_roofline(m: Machine) -> dict:
     log.info("roofline: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", m.copy_bw / 1e12, m.mm_flops / 1e12)
     return {"copy_bytes": copy_bytes, "copy_ms": copy_ms, "copy_bw_Bps": m.copy_bw,
             "mm_n": mm_n, "mm_ms": mm_ms, "bf16_mm_flops": m.mm_flops}
+
+
+def measure_8bit_rates(m: Machine) -> dict:
+    """The int8 (``torch._int_mm``, int32 accumulation) and fp8 e4m3 (``torch._scaled_mm``, fast accumulation)
+    matmul rates, measured now: the compute ceilings of 8-bit tensor cores for the compressed section's floors.
+    None for one this torch build or device cannot run."""
+    n = 8192 if m.cuda else 256
+    out = {"mm8_n": n}
+    gen = torch.Generator(device=m.device).manual_seed(1)
+    try:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=m.device, generator=gen)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=m.device, generator=gen)
+        out["int8_mm_ops"] = 2 * n ** 3 / (m.timer.median_ms(lambda: torch._int_mm(a, b)) * 1e-3)
+    except Exception as exc:
+        log.warning("no int8 matmul rate: %s", _error_text(exc))
+        out["int8_mm_ops"] = None
+    try:
+        a = torch.randn((n, n), device=m.device, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn((n, n), device=m.device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device=m.device)
+        out["fp8_mm_flops"] = 2 * n ** 3 / (m.timer.median_ms(
+            lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)) * 1e-3)
+    except Exception as exc:
+        log.warning("no fp8 matmul rate: %s", _error_text(exc))
+        out["fp8_mm_flops"] = None
+    a = b = None
+    m.release()
+    log.info("8-bit matmul: int8 %s, fp8 %s",
+             *(_rate(out[k], "OP/s") if out[k] else "n/a" for k in ("int8_mm_ops", "fp8_mm_flops")))
+    return out
 
 
 def floor_ms(m: Machine, nbytes: float, flops: float) -> Optional[float]:
@@ -743,6 +787,196 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Compressed-index section (issue 7): 8-bit document indexes, ours and the peers'
+# ----------------------------------------------------------------------------------------------------------------
+
+COMPRESSED_METHODS = ("ours_int8", "ours_fp8", "ours_exact", "fmpypi", "lik")
+# The 8-bit paths multiply 8-bit values on tensor cores; LIK's fp8 products are accumulated by Hopper's fp8 MMA
+# with fewer than fp32's bits. Their scores are checked against the float64 reference on the operands they
+# actually multiply within the fp32 tolerance plus this fraction of max |score|: a wrong scale or a skipped tile
+# is off by far more.
+COMPRESSED_CHECK_REL_TOL = 5e-4
+COMPRESSED_CHECK_DOCS = 8
+# documents whose float64 scores (unquantised inputs) measure each path's fidelity: up to 1000, fewer for long
+# queries and documents, so that the float64 products stay near 3e10 multiply-adds (a second or two on the GPU)
+FIDELITY_MAX_DOCS = 1000
+FIDELITY_MACS = 3e10
+
+
+def ours_compressed_variant(kind: str) -> CompressedVariant:
+    """flash_maxsim on an int8 / fp8 index from ``flash_maxsim.quantize`` (queries unchanged), or, for
+    ``kind="exact"``, on the unquantised documents."""
+    fm = _flash_maxsim()
+    if kind == "exact":
+        return CompressedVariant("maxsim(queries, documents)", prepare=lambda q, d: (q, d), call=fm.maxsim,
+                                 index_nbytes=lambda inputs: tensor_bytes(inputs[1]),
+                                 dequantized=lambda inputs, n: (inputs[0].double(), inputs[1][:n].double()))
+
+    def dequantized(inputs, n_docs):
+        qd = inputs[1]
+        return inputs[0].double(), qd.values[:n_docs].double() * qd.scales[:n_docs, :, None].double()
+
+    return CompressedVariant(f"maxsim(queries, quantize(documents, dtype={kind!r}))",
+                             prepare=lambda q, d: (q, fm.quantize(d, dtype=kind)), call=fm.maxsim,
+                             index_nbytes=lambda inputs: inputs[1].nbytes, dequantized=dequantized)
+
+
+def exact_scores(q: torch.Tensor, d: torch.Tensor, n_docs: int) -> torch.Tensor:
+    """float64 reference scores ``[Nq, n_docs]`` of the unquantised queries and first ``n_docs`` documents."""
+    from flash_maxsim import reference
+    Nq, Lq, _ = q.shape
+    chunk = max(1, (32 * MB) // (Nq * Lq * d.shape[1]))       # the reference's float64 similarities: ~256 MB
+    return torch.cat([reference.maxsim(q, d[i:min(i + chunk, n_docs)]) for i in range(0, n_docs, chunk)], dim=1)
+
+
+def _compressed_check(m: Machine, variant: CompressedVariant, inputs: tuple, exact: torch.Tensor, shape):
+    """The check of a compressed path's first call: its arithmetic (scores against the float64 reference on the
+    very operands it multiplies, first 2 queries x 8 documents) and its fidelity (scores against the float64
+    scores of the unquantised documents, relative to max |score|)."""
+    from flash_maxsim import reference
+
+    def check(out):
+        out = out.detach()
+        want_shape = (shape.Nq, shape.B)
+        if tuple(out.shape) != want_shape:
+            return {"ok": False, "note": f"shape {tuple(out.shape)} != {want_shape}"}
+        res = {}
+        note = variant.note()
+        if note:
+            res["note"], res["fallback"] = note, True
+        n = min(shape.B, COMPRESSED_CHECK_DOCS)
+        q64, d64 = variant.dequantized(inputs, n)
+        truth = reference.maxsim(q64[:2], d64)
+        res["max_abs_diff"] = max_abs_diff(out[:2, :n], truth)
+        if note:   # a fallback to a dequantise-to-bf16 path rounds every product to bf16
+            res["tol"] = score_tolerance("lowp", truth, shape.Lq, torch.bfloat16)
+        else:
+            res["tol"] = (score_tolerance("fp32", truth, shape.Lq, m.dtype)
+                          + COMPRESSED_CHECK_REL_TOL * float(truth.abs().max()))
+        res["ok"] = bool(res["max_abs_diff"] <= res["tol"])
+        err = (out[:, :exact.shape[1]].double() - exact).abs()
+        top = float(exact.abs().max()) or 1.0
+        res.update(fid_max_rel_err=float(err.max()) / top, fid_mean_rel_err=float(err.mean()) / top,
+                   fid_docs=int(exact.shape[1]))
+        return res
+    return check
+
+
+def _run_compressed_variant(m: Machine, variant: CompressedVariant, sets, exact, shape, unquantised_bytes) -> dict:
+    """Index-time preparation (untimed), then :func:`run_method` on the prepared inputs."""
+    try:
+        m.sync()
+        t0 = time.perf_counter()
+        prepared = [variant.prepare(q, d) for q, d in sets]
+        m.sync()
+        prepare_s = time.perf_counter() - t0
+        index_bytes = int(variant.index_nbytes(prepared[0]))
+    except torch.cuda.OutOfMemoryError as exc:
+        m.release()
+        return {"status": "oom", "error": _error_text(exc)[:120]}
+    except Exception as exc:
+        log.debug("preparation failed", exc_info=True)
+        m.release()
+        return {"status": "error", "error": "preparing the index: " + _error_text(exc)}
+    r = run_method(m, variant.call, prepared, _compressed_check(m, variant, prepared[0], exact, shape))
+    r.update(prepare_s=prepare_s, index_bytes=index_bytes, bytes_ratio=index_bytes / unquantised_bytes,
+             memory_floor_ms=index_bytes / m.copy_bw * 1e3 if m.copy_bw else None)
+    prepared = None
+    m.release()
+    return r
+
+
+def run_compressed_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0,
+                        skip_variants=()) -> list[dict]:
+    rows = []
+    rates = m.mm8_rates or {}
+    for shape in shapes:
+        Nq, B, Lq, Ld, d = shape.Nq, shape.B, shape.Lq, shape.Ld, shape.d
+        elem = torch.tensor([], dtype=m.dtype).element_size()
+        unquantised_bytes = B * Ld * d * elem
+        int8_bytes = B * Ld * (d + 4)                 # int8 values + one fp32 scale per token
+        flops = 2 * Nq * B * Lq * Ld * d
+        compute = {"bf16": m.mm_flops, "int8": rates.get("int8_mm_ops"), "fp8": rates.get("fp8_mm_flops")}
+        row = {"name": shape.name, "Nq": Nq, "B": B, "Lq": Lq, "Ld": Ld, "d": d, "dtype": str(m.dtype),
+               "flops": flops, "unquantised_bytes": unquantised_bytes, "int8_index_bytes": int8_bytes,
+               "memory_floor_ms": {k: (v / m.copy_bw * 1e3 if m.copy_bw else None)
+                                   for k, v in (("unquantised", unquantised_bytes), ("int8", int8_bytes))},
+               "compute_floor_ms": {k: (flops / v * 1e3 if v else None) for k, v in compute.items()},
+               "target_ms": shape.target_ms, "target_bytes_ratio": COMPRESSED_TARGET_BYTES, "results": {}}
+        rows.append(row)
+        if m.budget.spent():
+            for key in method_keys:
+                row["results"][key] = skipped("time budget spent")
+            continue
+        log.info("[%5.0fs] compressed %s", m.budget.elapsed(), shape.name)
+        gen = torch.Generator(device=m.device).manual_seed(seed)
+        n_sets = m.rotation_count((Nq * Lq * d) * elem + B * Ld * (d + 4))
+        sets = [(unit_tokens((Nq, Lq, d), m, gen), unit_tokens((B, Ld, d), m, gen)) for _ in range(n_sets)]
+        row["input_sets"] = n_sets
+        n_fid = int(min(B, FIDELITY_MAX_DOCS, max(64, FIDELITY_MACS // (Nq * Lq * Ld * d))))
+        try:
+            exact = exact_scores(*sets[0], n_fid)
+        except torch.cuda.OutOfMemoryError:
+            m.release()
+            n_fid = min(B, 64)
+            exact = exact_scores(*sets[0], n_fid)
+        for key in method_keys:
+            if m.budget.spent():
+                row["results"][key] = skipped("time budget spent")
+                continue
+            if key.startswith("ours_"):
+                variant = ours_compressed_variant(key[len("ours_"):])
+                r = _run_compressed_variant(m, variant, sets, exact, shape, unquantised_bytes)
+                r["variant"] = variant.name
+                row["results"][key] = r
+            else:
+                row["results"][key] = _run_peer_compressed(m, key, peers, peer_missing, sets, exact, shape,
+                                                           unquantised_bytes, skip_variants)
+            log.info("    %-14s %s", key, _brief_compressed(row["results"][key]))
+        sets = exact = None  # free this shape's inputs before the next one
+        m.release()
+    return rows
+
+
+def _run_peer_compressed(m, key, peers, peer_missing, sets, exact, shape, unquantised_bytes,
+                         skip_variants=()) -> dict:
+    peer = next((p for p in peers if p.key == key), None)
+    if peer is None:
+        return skipped(peer_missing.get(key, "not requested"))
+    if not m.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return skipped("peer kernels need CUDA (or --interpret on the CPU)")
+    try:
+        variants = peer.compressed_variants(shape.Nq)
+    except Exception as exc:
+        return {"status": "error", "error": f"{peer.label} compressed path: {_error_text(exc)}"}
+    if not variants:
+        return skipped(f"{peer.label} has no compressed path for {shape.Nq} queries at once")
+    if all(any(text in v.name for text in skip_variants) for v in variants):
+        return skipped(f"every {peer.label} variant matched --skip-compressed-variants")
+    results = {}
+    for v in variants:
+        if any(text in v.name for text in skip_variants):
+            continue
+        if m.budget.spent():
+            results[v.name] = skipped("time budget spent")
+            continue
+        results[v.name] = _run_compressed_variant(m, v, sets, exact, shape, unquantised_bytes)
+        log.debug("      %s: %s", v.name, _brief_compressed(results[v.name]))
+    return _best_variant(peer, results)
+
+
+def _brief_compressed(r: dict) -> str:
+    text = _brief(r)
+    if r.get("bytes_ratio") is not None:
+        text += f" bytes {r['bytes_ratio']:.3f}x"
+    if r.get("fid_max_rel_err") is not None:
+        text += f" fidelity err {r['fid_max_rel_err']:.2e}"
+    if r.get("variant") and r.get("peer"):
+        text += f" ({r['variant']})"
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -983,6 +1217,137 @@ def sweep_table(rows: list[dict], axis: str, train: bool) -> list[str]:
     return lines + notes.render()
 
 
+COMPRESSED_LABELS = {
+    "ours_int8": "flash_maxsim int8",
+    "ours_fp8": "flash_maxsim fp8",
+    "ours_exact": "flash_maxsim, unquantised (reference)",
+    "fmpypi": "flash-maxsim",
+    "lik": "LIK",
+}
+COMPRESSED_PEER_KINDS = {"fmpypi": "int8×int8", "lik": "fp8"}
+
+
+def _compressed_label(key: str) -> str:
+    if key in COMPRESSED_PEER_KINDS:
+        return f"{_label(key)} {COMPRESSED_PEER_KINDS[key]}"
+    return COMPRESSED_LABELS[key]
+
+
+def _compressed_cell(r: Optional[dict], notes: _Notes, value: str) -> str:
+    if r is None:
+        return "–"
+    if r["status"] == "skipped":
+        return "skip " + notes.mark(f"skipped: {r.get('error', '')}")
+    if r["status"] in ("error", "oom"):
+        return r["status"] + " " + notes.mark(f"{r['status']}: {r.get('error', '')}")
+    marks = ""
+    if r["status"] == "wrong" or r.get("ok") is False:
+        marks += " ✗" + notes.mark("✗ = its scores differ from the float64 reference on the operands it multiplies "
+                                   "beyond tolerance (see the check table)")
+    if r.get("note"):
+        marks += " " + notes.mark(r["note"])
+    return value + marks
+
+
+def _fmt_err(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.1e}"
+
+
+def _compressed_met(row: dict, key: str) -> str:
+    r = row["results"].get(key) or {}
+    if r.get("status") != "ok" or r.get("ms") is None:
+        return "no (wrong)" if r.get("status") == "wrong" else "no (no result)"
+    misses = []
+    if row.get("target_ms") is not None and r["ms"] > row["target_ms"]:
+        misses.append("time")
+    if r.get("bytes_ratio") is not None and r["bytes_ratio"] > row["target_bytes_ratio"]:
+        misses.append("bytes")
+    for peer in PEER_METHODS:
+        p = row["results"].get(peer) or {}
+        # a peer that fell back to a non-8-bit path was not measured on its compressed path
+        if p.get("status") == "ok" and not p.get("fallback") and p.get("ms") is not None and p["ms"] < r["ms"]:
+            misses.append(f"slower than {_label(peer)}")
+    return "yes" if not misses else "no (" + ", ".join(misses) + ")"
+
+
+def compressed_table(rows: list[dict]) -> list[str]:
+    notes = _Notes()
+    head = ["shape", "method", "median ms", "index bytes ÷ unquantised", "memory floor ms", "% of memory floor",
+            "max score error ÷ max score", "target", "met?"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        first = True
+        for key in [k for k in COMPRESSED_METHODS if k in row["results"]]:
+            r = row["results"][key]
+            method = _compressed_label(key)
+            if key in PEER_METHODS and r.get("variant"):
+                method += f" ({r['variant']})"
+            ms, floor = r.get("ms"), r.get("memory_floor_ms")
+            targeted = key in ("ours_int8", "ours_fp8")
+            target = (f"≤ {row['target_ms']} ms, ≤ {row['target_bytes_ratio']}×"
+                      if targeted and row.get("target_ms") is not None else "–")
+            cells = [row["name"] if first else "", method, _compressed_cell(r, notes, _fmt_ms(ms)),
+                     "–" if r.get("bytes_ratio") is None else f"{r['bytes_ratio']:.3f}",
+                     _fmt_ms(floor), f"{100 * floor / ms:.0f}%" if ms and floor else "–",
+                     _fmt_err(r.get("fid_max_rel_err")), target,
+                     _compressed_met(row, key) if targeted else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+            first = False
+    return lines + notes.render()
+
+
+def compressed_floors_table(rows: list[dict]) -> list[str]:
+    head = ["shape", "GFLOP", "memory floor: unquantised index", "memory floor: int8 index (d + 4 B/token)",
+            "compute floor at the bf16 rate", "at the int8 rate", "at the fp8 rate", "time target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        mem, comp = row.get("memory_floor_ms") or {}, row.get("compute_floor_ms") or {}
+        lines.append("| " + " | ".join([
+            row["name"], f"{row['flops'] / 1e9:.3g}", _fmt_ms(mem.get("unquantised")), _fmt_ms(mem.get("int8")),
+            _fmt_ms(comp.get("bf16")), _fmt_ms(comp.get("int8")), _fmt_ms(comp.get("fp8")),
+            f"≤ {row['target_ms']}" if row.get("target_ms") is not None else "–"]) + " |")
+    return lines
+
+
+def compressed_checks_table(rows: list[dict]) -> list[str]:
+    head = ["shape", "method", "check: max abs. score difference from float64 on its own operands (tolerance)",
+            "fidelity: max / mean score error ÷ max score (documents)", "peak MB above inputs",
+            "index build s (untimed)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        first = True
+        for key in [k for k in COMPRESSED_METHODS if k in row["results"]]:
+            r = row["results"][key]
+            check = "–" if r.get("max_abs_diff") is None else \
+                f"{r['max_abs_diff']:.2g} ({r['tol']:.2g}){'' if r.get('ok') else ' ✗'}"
+            fid = "–" if r.get("fid_max_rel_err") is None else \
+                f"{r['fid_max_rel_err']:.1e} / {r['fid_mean_rel_err']:.1e} ({r['fid_docs']})"
+            lines.append("| " + " | ".join([
+                row["name"] if first else "", _compressed_label(key), check, fid, _fmt_mb(r.get("peak_mb")),
+                "–" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}"]) + " |")
+            first = False
+    return lines
+
+
+def compressed_variants_table(rows: list[dict]) -> list[str]:
+    """Every variant of every peer, the fastest correct one of which is the peer's line in the main table."""
+    notes = _Notes()
+    head = ["shape", "peer variant", "median ms", "index bytes ÷ unquantised", "max score error ÷ max score"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    count = 0
+    for row in rows:
+        first = True
+        for key in [k for k in PEER_METHODS if k in row["results"]]:
+            for name, r in (row["results"][key].get("variants") or {}).items():
+                lines.append("| " + " | ".join([
+                    row["name"] if first else "", f"{_compressed_label(key)}: {name}",
+                    _compressed_cell(r, notes, _fmt_ms(r.get("ms"))),
+                    "–" if r.get("bytes_ratio") is None else f"{r['bytes_ratio']:.3f}",
+                    _fmt_err(r.get("fid_max_rel_err"))]) + " |")
+                first, count = False, count + 1
+    return (lines + notes.render()) if count else []
+
+
 def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
     meta, roof = res["meta"], res.get("roofline") or {}
     _set_labels(meta)
@@ -999,11 +1364,11 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
     if roof:
         out += [f"Measured ceilings: device-to-device copy **{_rate(roof['copy_bw_Bps'], 'B/s')}** (bytes read + "
                 f"written), bf16 matmul **{_rate(roof['bf16_mm_flops'], 'FLOP/s')}** "
-                f"({roof['mm_n']}³ `torch.mm`).", ""]
+                f"({roof['mm_n']}³ `torch.mm`){_mm8_text(roof)}.", ""]
     for run in meta.get("merged_runs") or []:
         r = run.get("roofline") or {}
-        ceilings = (f" (its ceilings: {_rate(r['copy_bw_Bps'], 'B/s')}, {_rate(r['bf16_mm_flops'], 'FLOP/s')})"
-                    if r else "")
+        ceilings = (f" (its ceilings: {_rate(r['copy_bw_Bps'], 'B/s')}, {_rate(r['bf16_mm_flops'], 'FLOP/s')}"
+                    f"{_mm8_text(r, bold=False)})" if r else "")
         out += [f"Sections {', '.join(run['sections'])} come from a second run of {run['date']}{ceilings}; "
                 "their floors use that run's ceilings.", ""]
     if res.get("forward"):
@@ -1017,6 +1382,15 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
             training_table(res["training"]) + [""]
         out += ["### Training step: correctness (max |Δscore| / gradient relative error against flash_maxsim; "
                 "✗ = flagged)", ""] + correctness_table(res["training"], train=True) + [""]
+    if res.get("compressed"):
+        out += ["### Compressed index (issue 7): time (ms, median), index bytes, fidelity", ""] + \
+            compressed_table(res["compressed"]) + [""]
+        out += ["### Compressed index: floors (ms)", ""] + compressed_floors_table(res["compressed"]) + [""]
+        out += ["### Compressed index: checks (scores against the float64 reference)", ""] + \
+            compressed_checks_table(res["compressed"]) + [""]
+        variants = compressed_variants_table(res["compressed"])
+        if variants:
+            out += ["### Compressed index: every peer variant timed", ""] + variants + [""]
     if res.get("forward_sweep"):
         r0 = res["forward_sweep"][0]
         out += [f"### Forward against corpus size (1 query, {r0['Lq']}×{r0['Ld']}, d={r0['d']})", ""]
@@ -1032,6 +1406,17 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _mm8_text(roof: dict, bold: bool = True) -> str:
+    """The 8-bit matmul rates of a run, when it measured them (compressed section)."""
+    b = "**" if bold else ""
+    parts = [f"{name} matmul {b}{_rate(roof[key], unit)}{b}" for name, key, unit in
+             (("int8", "int8_mm_ops", "OP/s"), ("fp8", "fp8_mm_flops", "FLOP/s")) if roof.get(key)]
+    if not parts:
+        return ""
+    how = f" ({roof.get('mm8_n', '?')}³ `torch._int_mm` / `torch._scaled_mm`)" if bold else ""
+    return ", " + ", ".join(parts) + how
+
+
 def summary(res: dict) -> str:
     """The main tables only, printed last so that they survive a truncated log (results.md has everything)."""
     out = [f"== {res['meta']['device']}: {res['meta'].get('elapsed_s', 0):.0f} s; timer {res['meta']['timer']}"]
@@ -1043,6 +1428,8 @@ def summary(res: dict) -> str:
         out += ["", "Forward (ms):"] + forward_table(res["forward"])
     if res.get("training"):
         out += ["", "Training step (ms / MB):"] + training_table(res["training"])
+    if res.get("compressed"):
+        out += ["", "Compressed index (ms, bytes, fidelity):"] + compressed_table(res["compressed"])
     return "\n".join(out) + "\n"
 
 
@@ -1157,8 +1544,8 @@ def _meta(m: Machine, args, peers, peer_missing) -> dict:
             "peers_missing": peer_missing, "argv": sys.argv[1:], "l2_bytes": m.l2_bytes}
 
 
-SECTIONS = ("forward", "training", "forward-sweep", "training-sweep")
-RESULT_KEYS = ("forward", "training", "forward_sweep", "training_sweep")
+SECTIONS = ("forward", "training", "compressed", "forward-sweep", "training-sweep")
+RESULT_KEYS = ("forward", "training", "compressed", "forward_sweep", "training_sweep")
 
 
 def merge_results(paths: list[Path]) -> dict:
@@ -1188,10 +1575,14 @@ def parse_args(argv=None):
     p.add_argument("--only", default=None,
                    help="keep only the table rows whose name contains this text (implies --no-sweeps)")
     p.add_argument("--peers", default="lik,fmpypi", help="comma list of peers (lik, fmpypi) or 'none'")
+    p.add_argument("--skip-compressed-variants", default="per-tensor scales",
+                   help="compressed section: comma list of texts; peer variants whose name contains one are not "
+                        "run (default 'per-tensor scales': LIK's per-tensor fp8 scaling autotunes and compiles a "
+                        "second set of kernels; '' runs every variant)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warmup in ms (default 10; 5 with --quick)")
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time in ms (default 50; 20 with --quick)")
-    p.add_argument("--budget-s", type=float, default=330.0,
+    p.add_argument("--budget-s", type=float, default=390.0,
                    help="soft wall-clock budget: measurements not started by then are recorded as skipped")
     p.add_argument("--max-eager-ms", type=float, default=2000.0,
                    help="skip an eager baseline whose estimated time per call exceeds this")
@@ -1223,6 +1614,7 @@ def parse_args(argv=None):
     if args.no_sweeps or args.only is not None:
         sections = [s for s in sections if not s.endswith("-sweep")]
     args.sections = sections
+    args.skip_compressed_variants = tuple(t.strip() for t in args.skip_compressed_variants.split(",") if t.strip())
     args.peer_keys = [] if args.peers.strip() == "none" else [k.strip() for k in args.peers.split(",") if k.strip()]
     from _peers import PEER_KEYS
     bad = [k for k in args.peer_keys if k not in PEER_KEYS]
@@ -1260,6 +1652,17 @@ def run(args) -> dict:
         res["training"] = run_training_rows(m, shapes, keys, peers, peer_missing, args.seed)
         if res["training"]:
             print("\n".join(training_table(res["training"])), flush=True)
+    if "compressed" in args.sections:
+        shapes = keep(COMPRESSED_SHAPES)
+        shapes = [smoke_forward(s) for s in shapes] if args.cpu_smoke else shapes
+        if shapes:
+            m.mm8_rates = measure_8bit_rates(m)
+            res["roofline"].update(m.mm8_rates)
+        res["compressed"] = run_compressed_rows(m, shapes, [k for k in COMPRESSED_METHODS if k.startswith("ours_")]
+                                                + peer_keys, peers, peer_missing, args.seed,
+                                                args.skip_compressed_variants)
+        if res["compressed"]:
+            print("\n".join(compressed_table(res["compressed"])), flush=True)
     if "forward-sweep" in args.sections:
         sizes = FORWARD_SWEEP_B_QUICK if args.quick else FORWARD_SWEEP_B
         sizes = [2, 5, 9] if args.cpu_smoke else sizes
