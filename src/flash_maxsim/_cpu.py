@@ -134,9 +134,12 @@ def backward(grad, p, aux, smooth_tau, need_dq: bool, need_dd: bool, grad_dtype=
             W = (a[..., None] == torch.arange(L, device=device)).float()       # one-hot, -1 never matches
         else:
             s, valid_b = _similarities(p, qs, D, in_doc, valid, zero_masked=True)
-            W = torch.exp((s - a[..., None]) / smooth_tau) * valid_b
+            live = valid_b & _qvalid(p, qs)[..., None]
+            W = torch.where(live, torch.exp((s - a[..., None]) / smooth_tau), torch.zeros((), device=device))
         W = W * grad[qs, cs][..., None, None]
-        Q = p.queries[qs].float()
+        # masked tokens get zero weight; zero their vectors too, so that a NaN stored there stays out
+        D = torch.where(valid[..., None], D, torch.zeros((), device=device))
+        Q = torch.where(_qvalid(p, qs)[:, 0, :, None], p.queries[qs].float(), torch.zeros((), device=device))
         if p.candidates:
             Dv = D.view(Q.shape[0], p.candidates, L, -1)
             if need_dq:

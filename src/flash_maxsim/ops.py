@@ -66,7 +66,7 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
     Nq, Lq, _ = queries.shape
     C = p.num_columns
-    if Nq == 0 or C == 0 or Lq == 0:
+    if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
         aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
         fill = float("inf") if smooth_tau is not None else -1
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
@@ -110,7 +110,7 @@ def backward_impl(grad, queries, documents, queries_mask, documents_mask, offset
     grad_dtype = torch.float32 if fp32_grads else None
     p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates)
     Nq, Lq, _ = queries.shape
-    if Nq == 0 or p.num_columns == 0 or Lq == 0:
+    if Nq == 0 or p.num_columns == 0 or Lq == 0 or max_length == 0:
         dq = torch.zeros(queries.shape, dtype=grad_dtype or queries.dtype, device=queries.device)
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=documents.device)
     elif _use_triton(queries):

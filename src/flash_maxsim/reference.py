@@ -70,9 +70,12 @@ def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked
     qvalid = torch.ones(Q.shape[:2], dtype=torch.bool, device=Q.device) if queries_mask is None else \
         ((queries_mask[None] if single else queries_mask) != 0)
     docs, masks, K = _document_lists(documents, documents_mask)
-    D, in_doc, valid = _pad(docs, masks)
     Nq = Q.shape[0]
     C = K if K else len(docs)
+    if not docs or C == 0:
+        out = torch.zeros(Nq, C, dtype=torch.float64, device=Q.device)
+        return out[0] if single else out
+    D, in_doc, valid = _pad(docs, masks)
     rows = []
     for q in range(Nq):
         sl = slice(q * K, (q + 1) * K) if K else slice(None)

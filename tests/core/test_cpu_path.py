@@ -109,8 +109,6 @@ def test_ragged_with_zero_length_documents(layout, seed):
     assert_grads_close(grads, expected_grads, case)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: CPU path raises IndexError when every listed document has "
-                                       "length 0 (_cpu._document_block indexes into an empty values tensor)")
 def test_all_documents_empty_cpu():
     q = torch.randn(2, 3, 4)
     with force_backend("torch"):
@@ -118,8 +116,6 @@ def test_all_documents_empty_cpu():
     assert got.shape == (2, 2) and (got == 0).all()
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: CPU path raises IndexError (amax over an empty dim) for padded "
-                                       "documents with Ld=0; the reference and the Triton path give zeros")
 def test_padded_documents_of_length_zero_cpu():
     q = torch.randn(2, 3, 4)
     with force_backend("torch"):

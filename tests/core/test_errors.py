@@ -129,16 +129,13 @@ def test_nan_in_a_masked_place_is_ignored(smooth_tau):
 
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_NAN_GRAD_BUG = pytest.mark.xfail(strict=True, reason="core bug: a NaN in a masked place gives NaN gradients "
-                                  "(0 * NaN in the backward's weighted sums over masked tokens)")
 
 
 def _nan_gradient_cases():
     for backend in ("torch", "triton"):
         for tau in (None, 0.5):
             for where in ("document", "query"):
-                known_bug = backend == "torch" or (tau is not None and where == "document")
-                marks = [_NAN_GRAD_BUG] if known_bug else []
+                marks = []
                 if backend == "triton":
                     marks.append(pytest.mark.skipif(TRITON_DEVICE == "cpu" and not launch.interpreting(),
                                                     reason="needs CUDA or TRITON_INTERPRET=1"))

@@ -118,8 +118,6 @@ def test_empty_query_batch():
     assert out.shape == (0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: reference.maxsim with zero documents (B=0, [], K=0) fails in "
-                                       "einsum instead of returning an empty [Nq, 0] like flash_maxsim.maxsim")
 @pytest.mark.parametrize("documents", [torch.zeros(0, 3, 2), [], torch.zeros(1, 0, 3, 2)], ids=["B0", "list", "K0"])
 def test_empty_document_batch(documents):
     assert ref(Q, documents).shape == (1, 0)
@@ -149,12 +147,13 @@ def test_layouts_are_one_function(layout):
             assert got[q, c].item() == pytest.approx(one.item(), rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: reference.maxsim does not accept flash_maxsim.PackedDocuments "
-                                       "(a 3-field NamedTuple; it only recognises the 2-tuple (values, offsets))")
 def test_reference_accepts_packed_documents():
     docs = [D[0], torch.zeros(0, 2), D[0, :2]]
     packed = flash_maxsim.pack(docs)
     torch.testing.assert_close(ref(Q, packed), ref(Q, docs))
+    torch.testing.assert_close(ref(Q, (packed.values, packed.offsets)), ref(Q, docs))
+    mask = torch.tensor([True, False, True, True, False])
+    torch.testing.assert_close(ref(Q, packed, None, mask), ref(Q, docs, None, [mask[:3], mask[3:3], mask[3:]]))
 
 
 @pytest.mark.parametrize("masked", ["exclude", "zero"])

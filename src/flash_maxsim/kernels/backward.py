@@ -107,8 +107,9 @@ def maxsim_bwd_dq_kernel(
                     valid = in_range
                 p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
                 p = tl.where(valid[None, :], p, 0.0)
+                # masked tokens load as 0 (P is 0 there; 0 * NaN would leak a stored NaN)
                 d_tile = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
-                                 mask=in_range[:, None] & col_ok[None, :], other=0.0)
+                                 mask=valid[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:
                     acc += tl.dot(p, d_tile.to(tl.float32), input_precision=PRECISION)
                 else:
