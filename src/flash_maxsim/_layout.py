@@ -75,9 +75,9 @@ def _as_mask(name: str, mask, expected_shape: tuple, device) -> Optional[torch.T
         raise ValueError(f"`{name}` is on {mask.device}; expected the queries' device {device}")
     if mask.dtype.is_complex:
         raise TypeError(f"`{name}` has dtype {mask.dtype}; expected bool or a real 0/1 dtype")
-    if mask.dtype == torch.bool:
-        return mask.view(torch.uint8)
-    return (mask != 0).view(torch.uint8)
+    if mask.dtype == torch.bool and not torch.compiler.is_compiling():
+        return mask.view(torch.uint8)          # zero-copy in eager; Inductor cannot lower a bool->uint8 view
+    return (mask != 0).to(torch.uint8)
 
 
 def _check_floating(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:

@@ -28,12 +28,11 @@ PyLate's own code after ``disable()``.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,12 +131,8 @@ def _maxsim(queries, documents, queries_mask, documents_mask, masked: str) -> to
     if queries.dtype not in _FLASH_DTYPES:
         raise TypeError(f"`queries_embeddings` has dtype {queries.dtype}; expected a floating dtype "
                         "(float16, bfloat16, float32 or float64)")
-    # The autocast dtype is applied above; inside, autocast would also round the CPU path's fp32 products to
-    # bf16/fp16 (seen with flash_maxsim 0.1.0), so it is switched off for the call.
-    with torch.autocast(queries.device.type, enabled=False) if queries.device.type in ("cpu", "cuda") \
-            else contextlib.nullcontext():
-        # looked up at call time so that tests can count the calls
-        return flash_maxsim.maxsim(queries, documents, queries_mask, documents_mask, masked=masked)
+    # looked up at call time so that tests can count the calls
+    return flash_maxsim.maxsim(queries, documents, queries_mask, documents_mask, masked=masked)
 
 
 def _check_masked(masked: str) -> None:

@@ -23,10 +23,12 @@ Semantics are sentence-transformers' own (``util/similarity.py`` of 6.0.x and 6.
   only chooses where the scoring runs;
 - numpy arrays, a single ``[tokens, dim]`` embedding (a batch of one) and ragged lists are accepted.
 
-What differs, by design: ragged document lists are packed (no padding) for all-pairs scoring;
-``chunk_elements`` is accepted and ignored (nothing of size queries x documents x tokens is ever built);
-fp16/bf16 similarities are computed in fp32 (sentence-transformers rounds each similarity to the input dtype
-before the max), and float64 inputs are scored in float32. Two rare inputs the fused kernels cannot express
+What differs, by design: ragged document lists are packed (no padding) for all-pairs scoring, and nothing of
+size queries x documents x tokens is ever built; ``chunk_elements`` only bounds the copy made of listed
+documents (packed, or padded per chunk for pairs), padded tensors are scored in place; fp16/bf16 similarities
+are computed in fp32 (sentence-transformers rounds each similarity to the input dtype before the max); float64
+inputs are scored in float32 and return float32 (sentence-transformers documents float32 but returns float64
+for them). Two rare inputs the fused kernels cannot express
 are handed to sentence-transformers' own function, so the result stays exact: a query mask with values other
 than 0/1 (sentence-transformers weights the query tokens by it), and a document mask that marks positions
 beyond a listed document's own length (sentence-transformers then scores its zero padding there).
@@ -37,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor
@@ -65,6 +67,10 @@ __all__ = [
 EMPTY_DOCUMENT_SCORE = -1e9
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Elements of listed documents copied (packed, or padded for pairs) at a time when ``chunk_elements`` is not
+#: given: sentence-transformers' default budget (about 400 MB in fp32). Nothing else grows with the corpus.
+DEFAULT_CHUNK_ELEMENTS = 100_000_000
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -139,6 +145,7 @@ class _Side:
     items: Optional[List[Tensor]]
     padded: Optional[Tensor]
     mask: Optional[Tensor]          # the caller's mask, [N, width], any dtype; None when not given
+    device: Optional[torch.device]  # where the caller's tensors live; None for numpy input
 
     @property
     def count(self) -> int:
@@ -161,12 +168,6 @@ class _Side:
         return self.padded.shape[2]
 
     @property
-    def device(self) -> Optional[torch.device]:
-        if self.items is not None:
-            return self.items[0].device if self.items and isinstance(self.items[0], Tensor) else None
-        return self.padded.device
-
-    @property
     def dtype(self) -> torch.dtype:
         if self.items is not None:
             return functools.reduce(torch.promote_types, [x.dtype for x in self.items])
@@ -176,6 +177,7 @@ class _Side:
 def _side(embeddings, mask, name: str, mask_name: str) -> _Side:
     mask = _as_mask(mask, mask_name)
     if isinstance(embeddings, (list, tuple)):
+        device = embeddings[0].device if embeddings and isinstance(embeddings[0], Tensor) else None
         items = [_as_embeddings(x, f"{name}[{i}]") for i, x in enumerate(embeddings)]
         dims = {int(x.shape[1]) for x in items if x.dim() == 2}
         if len(dims) > 1:
@@ -187,8 +189,9 @@ def _side(embeddings, mask, name: str, mask_name: str) -> _Side:
                 items[i] = x.new_zeros(0, dim)
             elif x.dim() != 2:
                 raise ValueError(f"`{name}[{i}]` has shape {list(x.shape)}; expected [tokens, dim]")
-        side = _Side(name, mask_name, items, None, mask)
+        side = _Side(name, mask_name, items, None, mask, device)
     else:
+        device = embeddings.device if isinstance(embeddings, Tensor) else None
         t = _as_embeddings(embeddings, name)
         if t.dim() == 2:                              # one embedding, scored as a batch of one
             t = t.unsqueeze(0)
@@ -197,7 +200,7 @@ def _side(embeddings, mask, name: str, mask_name: str) -> _Side:
         if t.dim() != 3:
             raise ValueError(f"`{name}` has shape {list(t.shape)}; expected [batch, tokens, dim], [tokens, dim] "
                              "or a list of [tokens, dim] embeddings")
-        side = _Side(name, mask_name, None, t, mask)
+        side = _Side(name, mask_name, None, t, mask, device)
     if side.mask is not None and side.count > 0:
         side.mask = _fit_mask(side.mask, side.count, side.width, mask_name)
     return side
@@ -209,7 +212,7 @@ def _fit_mask(mask: Tensor, count: int, width: int, name: str) -> Tensor:
                          f"expected [{count}, {width}] (or [1, {width}] / [{width}] for all items)")
     if mask.dim() == 2 and mask.shape[0] not in (1, count):
         raise ValueError(f"`{name}` has {mask.shape[0]} rows; expected {count} (one per item) or 1")
-    return mask.expand(count, width)
+    return mask.expand(count, width).contiguous()      # one row for all items becomes one row per item
 
 
 def _result_device(queries: _Side, documents: _Side) -> torch.device:
@@ -307,8 +310,9 @@ def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize
     ``a``/``b``: ``[N, tokens, dim]`` tensors or arrays (all-zero rows are padding unless a mask is given), a
     list of ``[tokens_i, dim]`` embeddings (documents are packed, not padded), or one ``[tokens, dim]``
     embedding. ``a_mask``/``b_mask``: ``[N, tokens]`` (or a list of per-item masks), nonzero = scoreable.
-    ``length_normalize`` divides by the real query-token count. ``chunk_elements`` is accepted and ignored.
-    ``device`` runs the scoring there; scores return on the documents' device.
+    ``length_normalize`` divides by the real query-token count. ``chunk_elements`` bounds the packed copy of
+    listed documents (default: 100M elements). ``device`` runs the scoring there; scores return on the
+    documents' device.
     """
     queries = _side(a, a_mask, "a", "a_mask")
     documents = _side(b, b_mask, "b", "b_mask")
@@ -326,22 +330,26 @@ def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize
 
     if documents.items is not None:
         lengths = documents.lengths
-        total = sum(lengths)
         if documents.mask is not None:
             in_doc = _length_mask(lengths, documents.width, documents.mask.device)
             valid = documents.mask.bool()               # no bit beyond a length (checked above)
-            valid_packed = valid[in_doc].to(scoring_device)
             empty = ~valid.any(-1)
         else:
-            valid_packed = None
             empty = torch.tensor([n == 0 for n in lengths])
-        if total == 0:
-            scores = torch.zeros(Q.shape[0], documents.count, dtype=torch.float32, device=scoring_device)
-        else:
-            values = torch.cat([x.to(dtype) for x in documents.items]).to(scoring_device)
-            offsets = torch.tensor([0] + lengths, device=scoring_device).cumsum(0)
-            packed = _flash.PackedDocuments(values, offsets, max(lengths))
-            scores = _flash.maxsim(Q, packed, qmask, valid_packed, masked="exclude")
+        # packed (no padding), a bounded number of tokens at a time: the packed copy is the only buffer
+        parts = []
+        for start, end in _token_ranges(lengths, documents.dim or 1, _budget(chunk_elements)):
+            chunk = lengths[start:end]
+            if sum(chunk) == 0:
+                parts.append(torch.zeros(Q.shape[0], end - start, dtype=torch.float32, device=scoring_device))
+                continue
+            values = torch.cat([x.to(dtype) for x in documents.items[start:end]]).to(scoring_device)
+            offsets = torch.tensor([0] + chunk, device=scoring_device).cumsum(0)
+            valid_packed = None if documents.mask is None else \
+                valid[start:end][in_doc[start:end]].to(scoring_device)
+            packed = _flash.PackedDocuments(values, offsets, max(chunk))
+            parts.append(_flash.maxsim(Q, packed, qmask, valid_packed, masked="exclude"))
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     else:
         D = documents.padded.to(scoring_device)
         valid = documents.mask.to(scoring_device).bool() if documents.mask is not None else D.any(-1)
@@ -374,17 +382,57 @@ def maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_
     dtype = _common_dtype(queries, documents)
     Q, qmask, counts = _prepare_queries(queries, scoring_device, dtype)
     if documents.items is not None:
-        D = _pad_items(documents.items, documents.width, scoring_device, dtype)
-        valid = _length_mask(documents.lengths, documents.width, scoring_device)
-        if documents.mask is not None:
-            valid = valid & documents.mask.to(scoring_device).bool()
+        # the fused per-pair layout is padded: pad a bounded number of pairs at a time, each to its own width
+        lengths = documents.lengths
+        scores, empty = [], []
+        for start, end in _pair_ranges(lengths, Q.shape[1] + (documents.dim or 1), Q.shape[1] * Q.shape[2],
+                                       _budget(chunk_elements)):
+            width = max(lengths[start:end])
+            D = _pad_items(documents.items[start:end], width, scoring_device, dtype)
+            valid = _length_mask(lengths[start:end], width, scoring_device)
+            if documents.mask is not None:
+                valid = valid & documents.mask[start:end, :width].to(scoring_device).bool()
+            scores.append(_paired(Q[start:end], qmask[start:end], D.unsqueeze(1), valid.unsqueeze(1)))
+            empty.append(~valid.any(-1))
+        scores, empty = torch.cat(scores), torch.cat(empty)
     else:
         D = documents.padded.to(scoring_device)
         valid = documents.mask.to(scoring_device).bool() if documents.mask is not None else D.any(-1)
-        D = D.to(dtype)
-    scores = _paired(Q, qmask, D.unsqueeze(1), valid.unsqueeze(1))
-    empty = ~valid.any(-1)
+        scores = _paired(Q, qmask, D.to(dtype).unsqueeze(1), valid.unsqueeze(1))
+        empty = ~valid.any(-1)
     return _finish(scores[:, 0], empty, counts if length_normalize else None, result_device)
+
+
+def _budget(chunk_elements) -> int:
+    if chunk_elements is None:
+        return DEFAULT_CHUNK_ELEMENTS
+    try:
+        return max(1, int(chunk_elements))       # like sentence-transformers, at least one item per chunk
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"`chunk_elements` must be an int or None, got {chunk_elements!r}") from error
+
+
+def _token_ranges(lengths: List[int], dim: int, budget: int):
+    """Consecutive documents whose packed copy holds at most ``budget`` elements (at least one document)."""
+    start, used = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (used + n) * dim > budget:
+            yield start, i
+            start, used = i, 0
+        used += n
+    yield start, len(lengths)
+
+
+def _pair_ranges(lengths: List[int], per_token: int, per_pair: int, budget: int):
+    """Consecutive pairs whose padded documents plus their queries hold at most ``budget`` elements."""
+    start, width = 0, 0
+    for i, n in enumerate(lengths):
+        wider = max(width, n)
+        if i > start and (wider * per_token + per_pair) * (i - start + 1) > budget:
+            yield start, i
+            start, wider = i, n
+        width = wider
+    yield start, len(lengths)
 
 
 def _paired(Q: Tensor, qmask: Tensor, D: Tensor, valid: Tensor) -> Tensor:
@@ -438,7 +486,8 @@ def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, 
         documents_mask = documents_mask.reshape(groups * size, tokens)
     # document (g, n) becomes row g * N + n, which is exactly the column order sentence-transformers stacks
     scores = maxsim(queries_embeddings, documents_embeddings.reshape(groups * size, tokens, dim),
-                    a_mask=queries_mask, b_mask=documents_mask, length_normalize=length_normalize)
+                    a_mask=queries_mask, b_mask=documents_mask, chunk_elements=chunk_elements,
+                    length_normalize=length_normalize)
     return scores.reshape(scores.shape[0], groups * size)
 
 

@@ -5,6 +5,7 @@
   otherwise pick its "flash" backend on CUDA, which imports the name ``flash_maxsim`` expecting another package).
 - tests/conftest.py sets TRITON_INTERPRET=1 without CUDA, which would run every CPU call through the Triton
   interpreter (~1 s per call): the tests here run flash_maxsim's exact CPU path unless they ask for the kernels.
+- One CPU thread: on a busy 2-core machine OpenMP's spin-waiting made the MiniLM steps 10x slower with two.
 - Each test starts and ends with the integration disabled.
 """
 
@@ -20,6 +21,8 @@ import torch  # noqa: E402
 import flash_maxsim  # noqa: E402
 from flash_maxsim import ops  # noqa: E402
 from flash_maxsim.integrations import pylate as flash_pylate  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

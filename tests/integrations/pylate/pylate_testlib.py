@@ -10,6 +10,8 @@ import torch
 import pylate
 import pylate.scores as pylate_scores
 
+from flash_maxsim.integrations import pylate as flash_pylate
+
 PYLATE_VERSION = tuple(int(p) for p in pylate.__version__.split(".")[:2])
 HAS_BACKEND_SWITCH = "backend" in inspect.signature(pylate_scores.colbert_scores).parameters
 HAS_COLBERT_SCORES_CLASS = hasattr(pylate_scores, "ColBERTScores")
@@ -95,3 +97,46 @@ def sentences(count: int, seed: int, min_words: int = 4, max_words: int = 30):
                 words.append(rng.choice(PUNCTUATION))
         out.append(" ".join(words))
     return out
+
+
+# ------------------------------------------------------------------ one training step, three ways
+
+def run_step(model, loss, features, labels=None):
+    """Loss value and every parameter gradient of one training step (dropout on, same random draws)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    value = loss(features, labels)
+    value.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return value.detach(), grads
+
+
+def assert_same_step(got, expected, tolerance=1e-4):
+    value, grads = got
+    expected_value, expected_grads = expected
+    torch.testing.assert_close(value, expected_value, rtol=tolerance / 10, atol=1e-6)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10
+    overall = max(g.abs().max().item() for g in expected_grads.values())
+    for name in grads:
+        # fp32 summation order differs between the scorers; some gradients are zero in exact arithmetic
+        # (attention key biases) and only carry rounding noise, hence the floor tied to the largest gradient
+        scale = expected_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0, atol=tolerance * scale + tolerance / 100 * overall,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def three_ways(model, make_loss, flash_metric, features, labels, flash_calls, tolerance=1e-4):
+    """PyLate alone, the flash_maxsim scorer as score_metric, and enable() with the loss's default."""
+    expected = run_step(model, make_loss(), features, labels)
+    assert flash_calls.calls == 0
+    with_scorer = run_step(model, make_loss(score_metric=flash_metric), features, labels)
+    scorer_calls = flash_calls.calls
+    assert scorer_calls > 0
+    with flash_pylate.enabled():
+        with_enable = run_step(model, make_loss(), features, labels)
+    assert flash_calls.calls > scorer_calls
+    assert_same_step(with_scorer, expected, tolerance)
+    assert_same_step(with_enable, expected, tolerance)
+    return expected

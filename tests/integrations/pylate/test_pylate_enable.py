@@ -5,7 +5,6 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch

@@ -32,57 +32,16 @@ def _contrastive_features(model, n=4, negatives=1, seed=0):
     return features
 
 
-def _run(model, loss, features, labels=None):
-    """Loss value and every parameter gradient of one training step (dropout on, same random draws)."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    value = loss(features, labels)
-    value.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return value.detach(), grads
-
-
-def _assert_same_step(got, expected):
-    value, grads = got
-    expected_value, expected_grads = expected
-    torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == expected_grads.keys() and len(grads) > 50
-    overall = max(g.abs().max().item() for g in expected_grads.values())
-    for name in grads:
-        # fp32 summation order differs between the scorers; some gradients are zero in exact arithmetic
-        # (attention key biases) and only carry rounding noise, hence the floor tied to the largest gradient
-        scale = expected_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0, atol=1e-4 * scale + 1e-6 * overall,
-                                   msg=lambda m: f"{name}: {m}")
-
-
-def _three_ways(model, make_loss, flash_metric, features, labels, flash_calls):
-    """PyLate alone, the flash_maxsim scorer as score_metric, and enable() with the loss's default."""
-    expected = _run(model, make_loss(), features, labels)
-    assert flash_calls.calls == 0
-    with_scorer = _run(model, make_loss(score_metric=flash_metric), features, labels)
-    scorer_calls = flash_calls.calls
-    assert scorer_calls > 0
-    with flash_pylate.enabled():
-        with_enable = _run(model, make_loss(), features, labels)
-    assert flash_calls.calls > scorer_calls
-    _assert_same_step(with_scorer, expected)
-    _assert_same_step(with_enable, expected)
-    return expected
-
-
 def test_contrastive(model, flash_calls):
     features = _contrastive_features(model, n=4, negatives=1, seed=1)
     assert not bool(torch.stack([f["attention_mask"].all() for f in features[1:]]).all())   # padding present
-    _three_ways(model, lambda **kw: losses.Contrastive(model=model, **kw), flash_pylate.FlashColBERTScores(),
+    lib.three_ways(model, lambda **kw: losses.Contrastive(model=model, **kw), flash_pylate.FlashColBERTScores(),
                 features, None, flash_calls)
 
 
 def test_cached_contrastive(model, flash_calls):
     features = _contrastive_features(model, n=4, negatives=1, seed=2)
-    _three_ways(model, lambda **kw: losses.CachedContrastive(model=model, mini_batch_size=2, **kw),
+    lib.three_ways(model, lambda **kw: losses.CachedContrastive(model=model, mini_batch_size=2, **kw),
                 flash_pylate.FlashColBERTScores(), features, None, flash_calls)
 
 
@@ -91,7 +50,7 @@ def test_distillation(model, flash_calls):
     features = [model.tokenize(lib.sentences(n, 30, 2, 8), is_query=True),
                 model.tokenize(lib.sentences(n * k, 31), is_query=False)]
     labels = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
-    _three_ways(model, lambda **kw: losses.Distillation(model=model, **kw), flash_pylate.colbert_kd_scores,
+    lib.three_ways(model, lambda **kw: losses.Distillation(model=model, **kw), flash_pylate.colbert_kd_scores,
                 features, labels, flash_calls)
 
 

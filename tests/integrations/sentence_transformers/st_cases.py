@@ -69,3 +69,30 @@ def padded_embeddings(model, texts, task):
     tokens = batch["attention_mask"].bool().clone()
     out = model(batch, task=task)
     return out["token_embeddings"].clone(), out["attention_mask"].bool().clone(), tokens
+
+
+TINY_WORDS = ("the of is and to in at what who how why do eat see boiling point sea level water capital france "
+              "paris berlin germany painted mona lisa cats dogs dark night sky blue pandas bamboo").split()
+
+
+def build_tiny_encoder(directory, device="cpu", hidden=64, layers=2, seed=0):
+    """A small, randomly initialised BERT MultiVectorEncoder built offline (for machines without the MiniLM
+    package): a WordPiece vocabulary of letters, punctuation and the words of QUERIES/DOCUMENTS."""
+    import string
+
+    from sentence_transformers import MultiVectorEncoder
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(string.punctuation) + list(string.digits)
+             + list(string.ascii_lowercase) + ["##" + c for c in string.ascii_lowercase + string.digits]
+             + TINY_WORDS)
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=True)
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                        intermediate_size=2 * hidden, max_position_embeddings=512)
+    BertModel(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    torch.manual_seed(seed)                   # the projection MultiVectorEncoder adds is random too
+    encoder = MultiVectorEncoder(str(directory), device=device)
+    encoder.eval()
+    return encoder

@@ -7,11 +7,9 @@ cases (empty documents, fully masked rows, numpy, single embeddings, the inputs 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import flash_maxsim
 from flash_maxsim.integrations import sentence_transformers as fst
 from sentence_transformers.util import similarity as st_similarity
 from sentence_transformers.multi_vector_encoder.scoring import colbert as st_colbert
@@ -256,6 +254,23 @@ def test_empty_inputs_and_devices(gen):
     assert got.device.type == "cpu"
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 40, 200])
+def test_listed_documents_are_copied_in_bounded_chunks(gen, chunk_elements, flash_calls):
+    queries = [_random(n, 8, generator=gen) for n in (3, 5)]
+    documents = [_random(n, 8, generator=gen) for n in (4, 0, 6, 1, 9, 3)]
+    masks = [torch.rand(len(d), generator=gen) < 0.7 for d in documents]
+    for name, docs in (("maxsim", documents), ("maxsim_pairwise", documents[:2])):
+        for b_mask in (None, masks[:len(docs)]):
+            flash_calls.clear()
+            _compare(name, queries, docs, b_mask=b_mask, chunk_elements=chunk_elements, length_normalize=True)
+            if chunk_elements == 1:
+                # one document (pair) at a time; a chunk of 0-token documents needs no kernel call
+                assert len(flash_calls) == len([n for n in docs if len(n)])
+    flash_calls.clear()
+    fst.maxsim(queries, documents)
+    assert len(flash_calls) == 1
+
+
 def test_bad_inputs_raise_clear_errors(gen):
     queries, documents = _random(2, 3, 8, generator=gen), _random(4, 5, 8, generator=gen)
     with pytest.raises(ValueError, match="a_mask"):
@@ -274,6 +289,8 @@ def test_bad_inputs_raise_clear_errors(gen):
         fst.maxsim(queries, _random(1, 4, 5, 8, generator=gen))
     with pytest.raises(ValueError, match="documents_embeddings"):
         fst.colbert_scores(queries, documents)
+    with pytest.raises(TypeError, match="chunk_elements"):
+        fst.maxsim(queries, [documents[0]], chunk_elements="many")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,23 +365,3 @@ def test_triton_kernels_match_sentence_transformers(gen, flash_calls):
     d_mask = torch.tensor([[[1, 1, 0, 1], [1, 0, 0, 0]], [[0, 0, 0, 0], [1, 1, 1, 0]]])
     _check_grads("colbert_scores", lambda: (lambda q, d: ((q, d), (q, d)))(
         base_q.clone().requires_grad_(), base_d.clone().requires_grad_()), dict(documents_mask=d_mask))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Core bugs met while writing this integration (worked around in it; see the report)
-# ----------------------------------------------------------------------------------------------------------
-
-@pytest.mark.xfail(strict=True, reason="core bug: the CPU path of flash_maxsim.maxsim raises IndexError when every "
-                                       "listed document has zero tokens (Triton returns zeros)")
-def test_core_cpu_path_with_only_empty_listed_documents():
-    queries = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
-    scores = flash_maxsim.maxsim(queries, [torch.zeros(0, 4), torch.zeros(0, 4)])
-    assert torch.equal(scores, torch.zeros(2, 2))
-
-
-@pytest.mark.xfail(strict=True, reason="core bug: the CPU path of flash_maxsim.maxsim raises IndexError on padded "
-                                       "documents with zero tokens ([B, 0, d]; Triton returns zeros)")
-def test_core_cpu_path_with_zero_width_padded_documents():
-    queries = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
-    scores = flash_maxsim.maxsim(queries, torch.zeros(3, 0, 4))
-    assert torch.equal(scores, torch.zeros(2, 3))
