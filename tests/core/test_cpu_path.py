@@ -63,26 +63,21 @@ def test_gradients_match_reference(case):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp32_gradients_at_highest_precision(layout, seed):
+def test_fp32_gradients_at_highest_precision(layout, seed, highest_fp32_precision):
     """fp32 inputs at "highest" precision: gradients match float64 autograd to ~1e-6 relative."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        for masked, tau in [("exclude", None), ("zero", None), ("exclude", 0.05), ("zero", 1.0)]:
-            case = make_case(layout=layout, Nq=3, C=4, Lq=6, Ld=9, d=17, masked=masked, smooth_tau=tau,
-                             query_mask_keep=0.8, doc_mask_keep=0.7, empty_doc=True, seed=seed)
-            grad_out = upstream_gradient(case)
-            with force_backend("torch"):
-                _, grads = flash_scores_and_grads(case, grad_out)
-            _, expected = reference_scores_and_grads(case, grad_out)
-            # the smooth max's weights are exp(s / tau): fp32 rounding of s is amplified by 1/tau
-            amplification = 1.0 if tau is None else max(1.0, 1.0 / tau)
-            for g, e in zip(grads, expected):
-                if e.numel():
-                    tol = 2e-6 * amplification
-                    torch.testing.assert_close(g.double(), e, rtol=tol, atol=tol * e.abs().max().item())
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    for masked, tau in [("exclude", None), ("zero", None), ("exclude", 0.05), ("zero", 1.0)]:
+        case = make_case(layout=layout, Nq=3, C=4, Lq=6, Ld=9, d=17, masked=masked, smooth_tau=tau,
+                         query_mask_keep=0.8, doc_mask_keep=0.7, empty_doc=True, seed=seed)
+        grad_out = upstream_gradient(case)
+        with force_backend("torch"):
+            _, grads = flash_scores_and_grads(case, grad_out)
+        _, expected = reference_scores_and_grads(case, grad_out)
+        # the smooth max's weights are exp(s / tau): fp32 rounding of s is amplified by 1/tau
+        amplification = 1.0 if tau is None else max(1.0, 1.0 / tau)
+        for g, e in zip(grads, expected):
+            if e.numel():
+                tol = 2e-6 * amplification
+                torch.testing.assert_close(g.double(), e, rtol=tol, atol=tol * e.abs().max().item())
 
 
 def test_blocking_over_many_documents_and_queries(monkeypatch, seed):

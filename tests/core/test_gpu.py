@@ -13,17 +13,10 @@ from .helpers import (FP32_UNIT_ROUNDOFF, assert_grads_close, assert_scores_clos
                       make_case, random_tensor, reference_scores_and_grads, saved_argmax, similarity_bound,
                       upstream_gradient)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("highest_fp32_precision")]
 DEVICE = "cuda"
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@pytest.fixture(autouse=True)
-def highest_fp32_precision():
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def check_against_reference(case):

@@ -18,16 +18,8 @@ pytestmark = [
     pytest.mark.interpret,
     pytest.mark.skipif(DEVICE == "cpu" and not launch.interpreting(),
                        reason="needs CUDA, or TRITON_INTERPRET=1 set before flash_maxsim is imported"),
+    pytest.mark.usefixtures("highest_fp32_precision"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def highest_fp32_precision():
-    # fp32 inputs follow torch's matmul precision; the tolerances here assume full fp32 products
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def check(case):
