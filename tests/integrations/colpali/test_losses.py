@@ -49,11 +49,14 @@ def _run(loss, batch, patched):
 
 @pytest.mark.parametrize("name, smooth, normalize, filtering, processes, weight", list(_cases()))
 def test_loss_and_gradients_match_the_library(name, smooth, normalize, filtering, processes, weight, generator):
-    batch = loss_batch(generator, processes=processes, negatives=2 if name in WITH_NEGATIVES else 0,
-                       left_padded_docs=processes > 1)
     loss = _make_loss(name, smooth, normalize, filtering, weight)
-
-    want = outcome(lambda: _run(loss, batch, patched=False))
+    for _ in range(5):
+        batch = loss_batch(generator, processes=processes, negatives=2 if name in WITH_NEGATIVES else 0,
+                           left_padded_docs=processes > 1)
+        want = outcome(lambda: _run(loss, batch, patched=False))
+        # a saturated draw (the library's own gradients exactly 0) would compare nothing: draw again
+        if want[0] != "ok" or any(g.abs().max() > 0 for g in want[1][1].values()):
+            break
     got = outcome(lambda: _run(loss, batch, patched=True))
     if want[0] == "raises":
         # e.g. ColbertSigmoidLoss with documents gathered from several processes: the library's [B*B] label
