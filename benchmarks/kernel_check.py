@@ -111,8 +111,10 @@ FORWARD_SHAPES = [  # (Nq, B, Lq, Ld, d)
 ]
 
 
-SWEEP = [{}, {"num_warps": 4}, {"num_warps": 8}, {"BLOCK_N": 128}, {"BLOCK_N": 32}, {"num_stages": 4},
-         {"num_stages": 2}]
+SWEEP = [{}, {"num_warps": 8}, {"BLOCK_N": 128}, {"BLOCK_N": 32}, {"num_stages": 3}, {"num_stages": 4},
+         {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+         {"ROWS": 256, "num_warps": 8}, {"ROWS": 256, "BLOCK_N": 128, "num_warps": 8}, {"ROWS": 64}, {"PEEL_TAIL": False},
+         {"ROWS": 256, "num_warps": 8, "PEEL_TAIL": False}]
 
 
 def forward_table(dev, quick, sweep):
@@ -206,6 +208,78 @@ def train_table(dev, sweep=False):
     return rows
 
 
+FP32_SWEEP = [{}, {"BLOCK_D": 128, "D_CHUNKS": 1, "num_warps": 4, "num_stages": 3},
+              {"num_warps": 4}, {"BLOCK_D": 16, "D_CHUNKS": 8}, {"BLOCK_N": 32}, {"ROWS": 64},
+              {"BLOCK_N": 32, "ROWS": 64, "num_warps": 4}, {"PRECISION": "tf32x3"}]
+
+
+def fp32_table(dev):
+    """fp32 inputs at float32_matmul_precision("highest") (CUDA-core products): tile choices against PyTorch."""
+    from flash_maxsim.kernels import launch
+    torch.set_float32_matmul_precision("highest")
+    for Nq, B, Lq, Ld, d in [(64, 512, 32, 180, 128), (1, 20000, 32, 166, 128), (8, 64, 32, 300, 96)]:
+        q = torch.randn(Nq, Lq, d, device=dev)
+        docs = torch.randn(B, Ld, d, device=dev)
+        eager = bench(lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1))
+        res = []
+        for v in FP32_SWEEP:
+            launch.FORWARD_OVERRIDES.clear()
+            launch.FORWARD_OVERRIDES.update(v)
+            try:
+                res.append((bench(lambda: fm.maxsim(q, docs)), v))
+            except Exception as e:
+                res.append((float("inf"), {**v, "error": type(e).__name__}))
+        launch.FORWARD_OVERRIDES.clear()
+        print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res), flush=True)
+
+
+def host_table(dev):
+    """Host time per call (Python + launches; no synchronisation inside the loop) next to GPU time (do_bench),
+    for the small calls that are launch-bound: what a cached launch plan can still save."""
+    from flash_maxsim import _layout
+    from flash_maxsim.kernels import launch
+    q = torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16)
+    docs = torch.randn(1000, 300, 128, device=dev, dtype=torch.bfloat16)
+    p = _layout.canonicalize(q, docs)
+
+    def per_call_us(fn, n=300):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+        return host
+    rows = {
+        "maxsim 1x1k 32x300": (lambda: fm.maxsim(q, docs)),
+        "canonicalize": (lambda: _layout.canonicalize(q, docs)),
+        "launch.forward": (lambda: launch.forward(p.queries, p.documents, None, None, None, 0, False, None, False, 300)),
+        "torch.empty": (lambda: torch.empty((1, 1000), device=dev)),
+        "einsum amax sum (eager)": (lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1)),
+    }
+    for name, fn in rows.items():
+        print(f"host {name:28s} {per_call_us(fn):7.1f} us/call host, {bench(fn) * 1e3:7.1f} us do_bench", flush=True)
+    qt = torch.randn(128, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dt = torch.randn(128, 300, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.arange(128, device=dev)
+
+    def step():
+        torch.nn.functional.cross_entropy(fm.maxsim(qt, dt), labels).backward()
+    print(f"host {'train step B128 32x300':28s} {per_call_us(step, 100):7.1f} us/call host, {bench(step) * 1e3:7.1f} us do_bench", flush=True)
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    print("host profile of 50 training steps (B128 32x300):")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+
+
 def profile_steps(dev):
     from torch.profiler import ProfilerActivity, profile
     for name, Nq, B, Ld, tau in (("colpali B256", 256, 256, 1030, None), ("smooth B128", 128, 128, 1030, 0.1),
@@ -236,14 +310,23 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="try backward/forward variants per training shape")
     ap.add_argument("--fwd-sweep", action="store_true", help="try tile configurations per forward shape")
     ap.add_argument("--profile", action="store_true", help="kernel time breakdown of two training steps")
+    ap.add_argument("--host", action="store_true", help="host time per call of small launch-bound calls")
+    ap.add_argument("--no-train", action="store_true", help="skip the training table")
+    ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
+    ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
     ok = True if args.skip_correctness else correctness(dev, args.full)
     print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f}s)", flush=True)
     torch.set_float32_matmul_precision("highest")
-    fwd = forward_table(dev, args.quick, args.fwd_sweep)
-    trn = train_table(dev, args.sweep)
+    if args.host:
+        host_table(dev)
+    if args.fp32:
+        fp32_table(dev)
+        torch.set_float32_matmul_precision("highest")
+    fwd = [] if args.no_forward else forward_table(dev, args.quick, args.fwd_sweep)
+    trn = [] if args.no_train else train_table(dev, args.sweep)
     if args.profile:
         profile_steps(dev)
     if args.json:

@@ -188,11 +188,20 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             max_length = 1
             dmask = None
         else:
-            for i, x in enumerate(documents):
-                _check_tensor(f"documents[{i}]", x)
-                if x.dim() != 2:
-                    raise ValueError(f"`documents[{i}]` has shape [{_shape(x)}]; expected [Ld_i, d]")
-                check_docs(f"documents[{i}]", x)
+            # one pass collecting the distinct (dtype, device, rank, feature size): a 20k-document list costs
+            # ~0.5 us per document instead of a per-document check; the slow pass runs only to name a culprit
+            try:
+                kinds = {(x.dtype, x.device, x.dim(), x.shape[-1]) for x in documents}
+            except (AttributeError, IndexError, TypeError):
+                kinds = None
+            if kinds is None or len(kinds) != 1 or next(iter(kinds))[2] != 2:
+                for i, x in enumerate(documents):
+                    _check_tensor(f"documents[{i}]", x)
+                    if x.dim() != 2:
+                        raise ValueError(f"`documents[{i}]` has shape [{_shape(x)}]; expected [Ld_i, d]")
+                    check_docs(f"documents[{i}]", x)
+            else:
+                check_docs("documents[0]", documents[0])
             packed = pack(documents)
             docs, offsets, max_length = packed
             if documents_mask is None:

@@ -54,6 +54,50 @@ def _similarity_tile(
 
 
 @triton.jit
+def _fold_tile(
+    m, acc, arg, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+    stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_DMASK: tl.constexpr, ZERO_MASKED: tl.constexpr,
+    SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Folds the document tokens ``n`` into the running max / log-sum-exp state of every row. ``PARTIAL``: the
+    tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test."""
+    in_range = n < n_hi
+    s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
+                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+    if HAS_SCALES:
+        # quantized documents: scales share the mask's layout (per document token)
+        sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+        s = s * sc[None, :]
+    if HAS_DMASK:
+        dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
+        valid = in_range & (dm != 0)
+        if ZERO_MASKED:
+            # masked tokens inside the document count as similarity 0; tokens past its end do not exist
+            s = tl.where(valid[None, :], s, tl.where(in_range[None, :], 0.0, float("-inf")))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
+    elif PARTIAL:
+        s = tl.where(in_range[None, :], s, float("-inf"))
+    tile_max = tl.reduce(s, 1, _max_propagating_nan)
+    if SMOOTH:
+        m_new = _max_propagating_nan(m, tile_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m - m_safe) * inv_tau_log2e)
+        p = tl.exp2((s - m_safe[:, None]) * inv_tau_log2e)
+        acc = acc * alpha + tl.sum(p, 1)
+        m = m_new
+    else:
+        if SAVE_AUX:
+            # first arg-max inside the tile; strict '>' across tiles keeps the earliest on ties
+            first = tl.reduce(tl.where(s == tile_max[:, None], n[None, :], 2147483647), 1, _min_int)
+            arg = tl.where(tile_max > m, first.to(tl.int32), arg)
+        m = _max_propagating_nan(m, tile_max)
+    return m, acc, arg
+
+
+@triton.jit
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
     Nq, Lq, d, Ld, K,
@@ -69,7 +113,7 @@ def maxsim_fwd_kernel(
     HAS_SCALES: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -114,47 +158,27 @@ def maxsim_fwd_kernel(
             q_tile = q_tile.to(tl.float32)
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    if SMOOTH:
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    else:
-        arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
+    arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)    # hard max: first arg-max so far
 
     ncols = tl.arange(0, BLOCK_N)
     n_lo = ds * tokens_per_dsplit
     n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        n = n0 + ncols
-        in_range = n < n_hi
-        s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
-                             stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
-        if HAS_SCALES:
-            # quantized documents: scales share the mask's layout (per document token)
-            sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
-            s = s * sc[None, :]
-        if HAS_DMASK:
-            dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
-            valid = in_range & (dm != 0)
-        else:
-            valid = in_range
-        if ZERO_MASKED:
-            # masked tokens inside the document count as similarity 0; tokens past its end do not exist
-            s = tl.where(valid[None, :], s, tl.where(in_range[None, :], 0.0, float("-inf")))
-        else:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        tile_max = tl.reduce(s, 1, _max_propagating_nan)
-        if SMOOTH:
-            m_new = _max_propagating_nan(m, tile_max)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2((m - m_safe) * inv_tau_log2e)
-            p = tl.exp2((s - m_safe[:, None]) * inv_tau_log2e)
-            acc = acc * alpha + tl.sum(p, 1)
-            m = m_new
-        else:
-            if SAVE_AUX:
-                # first arg-max inside the tile; strict '>' across tiles keeps the earliest on ties
-                first = tl.reduce(tl.where(s == tile_max[:, None], n[None, :], 2147483647), 1, _min_int)
-                arg = tl.where(tile_max > m, first.to(tl.int32), arg)
-            m = _max_propagating_nan(m, tile_max)
+    # whole tiles first, without the per-element range test; then the one partial tile at the end, if any
+    if PEEL_TAIL:
+        n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
+    else:
+        n_full = n_lo
+    for n0 in range(n_lo, n_full, BLOCK_N):
+        m, acc, arg = _fold_tile(
+            m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+            stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            False, HAS_SCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+    for n0 in range(n_full, n_hi, BLOCK_N):
+        m, acc, arg = _fold_tile(
+            m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+            stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            True, HAS_SCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
 
     if ROW_OUT:
         # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)

@@ -17,6 +17,7 @@ import math
 import torch
 import triton
 
+from . import _launcher
 from .backward import maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
 from .forward import maxsim_fwd_kernel
 
@@ -24,6 +25,11 @@ from .forward import maxsim_fwd_kernel
 def interpreting() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when first imported)."""
     return type(maxsim_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: that is a @jit function, and calling it from Python costs ~10 us per call
+    return -(-a // b)
 
 
 def _pow2(x: int) -> int:
@@ -36,9 +42,22 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _feature_tiling(d: int) -> tuple[int, int]:
+def _feature_tiling(d: int, precision: str = "tf32") -> tuple[int, int]:
+    if precision == "ieee":
+        # full-fp32 products run on CUDA cores (FMA), whose operand tiles live in registers: 32-wide feature
+        # chunks keep them there (128-wide ones spill: run 7, PyLate fp32 scoring 66 ms vs PyTorch's 8 ms)
+        block_d = min(32, max(16, _pow2(d)))
+        return block_d, _cdiv(d, block_d)
     block_d = max(16, _pow2(d)) if d <= 256 else 128
-    return block_d, triton.cdiv(d, block_d)
+    return block_d, _cdiv(d, block_d)
+
+
+def feature_tiling_for(d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_D, D_CHUNKS) for inputs of this dtype. "ieee" also names fp16/bf16 products (exact in fp32
+    accumulation, on tensor cores): only fp32 inputs at "highest" run on CUDA cores and take narrow chunks
+    (device run 7 gave bf16 backward those by mistake: 2x slower training steps)."""
+    cuda_cores = dtype == torch.float32 and _precision(dtype) == "ieee"
+    return _feature_tiling(d, "ieee" if cuda_cores else "tf32")
 
 
 def _doc_strides(documents, offsets):
@@ -55,91 +74,112 @@ def _mask_strides(mask, offsets):
     return 0, mask.stride(0)
 
 
-def _dummy(device):
-    return torch.empty(1, dtype=torch.uint8, device=device)
+def _dummy(queries):
+    """The stand-in for absent optional pointers (never read: their HAS_* flag is off). The queries tensor
+    itself: a launch allocates nothing for it, and it stays valid under CUDA-graph capture."""
+    return queries
 
 
 # Tile choices, overridable for tuning sweeps (benchmarks/kernel_check.py --sweep): name -> value.
 FORWARD_OVERRIDES: dict = {}
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux):
-    tokb = min(max(16, _pow2(Lq)), 128)
-    qpb = 1 if paired else max(1, min(_pow2(Nq), 128 // tokb))
-    block_d, d_chunks = _feature_tiling(d)
-    # measured on H200 (docs/perf-notes.md, run 2): 4 warps / 2 stages beat 8 warps / 3 stages on every shape
-    # but the document-split one; 128-token tiles when d > 256 (feature axis chunked)
+def _row_tiling(Nq, Lq, paired, rows):
+    tokb = min(max(16, _pow2(Lq)), rows)
+    qpb = 1 if paired else max(1, min(_pow2(Nq), rows // tokb))
+    return tokb, qpb
+
+
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, fp32=False):
+    tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
+    precision = _precision(torch.float32) if fp32 else "tf32"
+    block_d, d_chunks = feature_tiling_for(d, torch.float32 if fp32 else torch.bfloat16)
+    # measured on H200 (docs/perf-notes.md, runs 2 and 6): 4 warps; 3 stages since the peeled last tile (run 6:
+    # 512x1024 0.222 vs 0.267 ms, d=384 0.376 vs 0.416), 2 for d < 128 (d=96: 0.092 vs 0.097);
+    # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-               num_warps=4, num_stages=2, DSPLIT=1)
+               num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True)
+    if precision == "ieee":
+        cfg.update(num_warps=8, num_stages=2)
+    elif "ROWS" not in FORWARD_OVERRIDES and not save_aux and d <= 256:
+        # compute-bound scoring (many query-token rows, many documents): 256-row tiles on 8 warps read each
+        # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
+        tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
+        if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
+            cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
+            tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
-    programs = (1 if paired else triton.cdiv(Nq, qpb)) * C * triton.cdiv(Lq, tokb)
+    programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
-        cfg["DSPLIT"] = max(1, min(triton.cdiv(2 * _sm_count(), programs), max_len // 512))
+        cfg["DSPLIT"] = max(1, min(_cdiv(2 * _sm_count(), programs), max_len // 512))
         cfg["num_warps"] = 8
-    cfg.update(FORWARD_OVERRIDES)
+    cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
 
-def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-            save_aux, max_len=None, document_scales=None):
+class _ForwardPlan:
+    """Everything about one forward launch that depends only on shapes, strides, dtypes and flags."""
+
+    __slots__ = ("grid", "scalars", "meta", "meta_key", "scores_shape", "aux_shape", "aux_dtype", "row_out",
+                 "n_splits")
+
+
+# (shapes, strides, dtypes, flags) -> _ForwardPlan. Building a plan costs ~30 us of Python; a scoring call in a
+# serving loop repeats the same key, so the host time of a small (launch-bound) call is mostly the kernel launch.
+_FORWARD_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
+                  save_aux, max_len, document_scales):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
     C = candidates if candidates else T
-    device = queries.device
     smooth = smooth_tau is not None
-    max_len = Ld if max_len is None else max_len
-    cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux)
+    cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux, queries.dtype == torch.float32)
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
         n_ds = 1
-    n_splits = triton.cdiv(Lq, tokb)
-    n_qblocks = 1 if candidates else triton.cdiv(Nq, qpb)
+    n_splits = _cdiv(Lq, tokb)
+    n_qblocks = 1 if candidates else _cdiv(Nq, qpb)
     if n_ds > 1:
-        tokens_per_ds = triton.cdiv(triton.cdiv(max_len, n_ds), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        n_ds = triton.cdiv(max_len, tokens_per_ds)
+        tokens_per_ds = _cdiv(_cdiv(max_len, n_ds), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        n_ds = _cdiv(max_len, tokens_per_ds)
     else:
         tokens_per_ds = 2**31 - 1      # one slice: the whole document, whatever its length
-    row_out = n_ds > 1
-
+    plan = _ForwardPlan()
+    plan.row_out = row_out = n_ds > 1
+    plan.n_splits = n_splits
     if row_out:
-        scores = torch.empty((n_ds, Nq, C, Lq), dtype=torch.float32, device=device)
-        aux = torch.empty((n_ds, Nq, C, Lq) if smooth else (0, 0, 0, 0), dtype=torch.float32, device=device)
-        so = (0, 0, 0)
-        sa = (0, 0, 0)
-        sr = scores.stride()
+        # per-row states of each document-token slice, combined by _combine_token_slices
+        plan.scores_shape = (n_ds, Nq, C, Lq)
+        plan.aux_shape = (n_ds, Nq, C, Lq) if smooth else (0, 0, 0, 0)
+        plan.aux_dtype = torch.float32
+        so = sa = (0, 0, 0)
+        sr = _contiguous_strides(plan.scores_shape)
     else:
-        scores = torch.empty((n_splits, Nq, C), dtype=torch.float32, device=device)
-        if save_aux:
-            aux = torch.empty((Nq, C, Lq), dtype=torch.float32 if smooth else torch.int32, device=device)
-        else:
-            aux = torch.empty((0, 0, 0), dtype=torch.int32, device=device)
-        so = scores.stride()
-        sa = aux.stride() if save_aux else (0, 0, 0)
+        plan.scores_shape = (Nq, C) if n_splits == 1 else (n_splits, Nq, C)
+        plan.aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
+        plan.aux_dtype = torch.float32 if smooth else torch.int32
+        so = (0,) + _contiguous_strides(plan.scores_shape) if n_splits == 1 else _contiguous_strides(plan.scores_shape)
+        sa = _contiguous_strides(plan.aux_shape) if save_aux else (0, 0, 0)
         sr = (0, 0, 0, 0)
-
-    dummy = _dummy(device)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
-    sdmt, sdml = _mask_strides(documents_mask, offsets)
-    if document_scales is not None:
-        # scales are read with the mask's strides: give both the same (contiguous) layout
-        document_scales = document_scales.contiguous()
-        if documents_mask is not None:
-            documents_mask = documents_mask.contiguous()
-        sdmt, sdml = _mask_strides(document_scales, offsets)
-        if queries.is_cuda and documents.dtype != torch.int8 and torch.cuda.get_device_capability(queries.device) < (8, 9):
-            raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
+    # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
+    sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
     tau = float(smooth_tau) if smooth else 1.0
-    upcast = interpreting() and queries.dtype == torch.bfloat16
-    grid = (T * n_qblocks * n_splits * n_ds,)
-    maxsim_fwd_kernel[grid](
-        queries, documents,
-        queries_mask if queries_mask is not None else dummy,
-        documents_mask if documents_mask is not None else dummy,
-        offsets if offsets is not None else dummy,
-        scores, aux,
-        document_scales if document_scales is not None else dummy,
+    plan.grid = (T * n_qblocks * n_splits * n_ds,)
+    plan.scalars = (
         Nq, Lq, d, Ld, max(candidates, 1),
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         queries.stride(0), queries.stride(1), queries.stride(2),
@@ -148,17 +188,59 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         sdmt, sdml,
         *so, *sa, *sr,
         tau, math.log2(math.e) / tau,
-        HAS_SCALES=document_scales is not None, ROW_OUT=row_out, PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-        HAS_DMASK=documents_mask is not None, ZERO_MASKED=bool(zero_masked), SMOOTH=smooth,
-        SAVE_AUX=bool(save_aux) and not row_out,
-        QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
-        UPCAST=upcast, PRECISION=_precision(queries.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if row_out:
+    plan.meta = dict(
+        HAS_SCALES=document_scales is not None, ROW_OUT=row_out, PAIRED=bool(candidates),
+        RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None, HAS_DMASK=documents_mask is not None,
+        ZERO_MASKED=bool(zero_masked), SMOOTH=smooth, SAVE_AUX=bool(save_aux) and not row_out,
+        QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
+        UPCAST=interpreting() and queries.dtype == torch.bfloat16,
+        PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
+        PEEL_TAIL=cfg["PEEL_TAIL"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    plan.meta_key = tuple(plan.meta.items())
+    return plan
+
+
+def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
+            save_aux, max_len=None, document_scales=None):
+    """Scores ``[Nq, C]`` fp32 and ``aux`` (``[Nq, C, Lq]`` when ``save_aux``, else empty)."""
+    device = queries.device
+    if max_len is None:
+        max_len = documents.shape[1]
+    if document_scales is not None:
+        document_scales = document_scales.contiguous()
+        if documents_mask is not None:
+            documents_mask = documents_mask.contiguous()
+        if queries.is_cuda and documents.dtype != torch.int8 and torch.cuda.get_device_capability(device) < (8, 9):
+            raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
+    key = (queries.shape, queries.stride(), queries.dtype, documents.shape, documents.stride(), documents.dtype,
+           None if queries_mask is None else queries_mask.stride(),
+           None if documents_mask is None else documents_mask.stride(),
+           None if offsets is None else offsets.shape[0], document_scales is None,
+           candidates, zero_masked, smooth_tau, save_aux, max_len, device,
+           queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
+           tuple(FORWARD_OVERRIDES.items()) if FORWARD_OVERRIDES else None)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        if len(_FORWARD_PLANS) >= _MAX_PLANS:
+            _FORWARD_PLANS.clear()
+        plan = _FORWARD_PLANS[key] = _forward_plan(queries, documents, queries_mask, documents_mask, offsets,
+                                                   candidates, zero_masked, smooth_tau, save_aux, max_len,
+                                                   document_scales)
+    scores = torch.empty(plan.scores_shape, dtype=torch.float32, device=device)
+    aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device)
+    dummy = _dummy(queries)
+    tensors = (queries, documents,
+               queries_mask if queries_mask is not None else dummy,
+               documents_mask if documents_mask is not None else dummy,
+               offsets if offsets is not None else dummy,
+               scores, aux,
+               document_scales if document_scales is not None else dummy)
+    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key)
+    if plan.row_out:
         return _combine_token_slices(scores, aux, queries_mask, smooth_tau), torch.empty((0, 0, 0), dtype=torch.int32, device=device)
-    out = scores[0] if n_splits == 1 else scores.sum(0)
-    return out, aux
+    return (scores if plan.n_splits == 1 else scores.sum(0)), aux
 
 
 def _combine_token_slices(row_max, row_sum, queries_mask, smooth_tau):
@@ -244,10 +326,10 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     inv_tau_log2e = math.log2(math.e) / float(smooth_tau) if smooth else 1.0
     upcast = interpreting() and queries.dtype == torch.bfloat16
     precision = _precision(queries.dtype)
-    block_d, d_chunks = _feature_tiling(d)
+    block_d, d_chunks = feature_tiling_for(d, queries.dtype)
     tokb = min(max(16, _pow2(Lq)), 128)
     block_n = 64 if d <= 256 else 32
-    dummy = _dummy(device)
+    dummy = _dummy(queries)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sdmt, sdml = _mask_strides(documents_mask, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
@@ -259,37 +341,37 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     qpb = 1 if candidates else max(1, min(_pow2(Nq), 128 // tokb))
 
     if need_dq:
-        n_splits = triton.cdiv(Lq, tokb)
-        n_qblocks = Nq if candidates else triton.cdiv(Nq, qpb)
+        n_splits = _cdiv(Lq, tokb)
+        n_qblocks = Nq if candidates else _cdiv(Nq, qpb)
         base_programs = n_qblocks * n_splits * d_chunks
         # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
         partial = Nq * Lq * d * 4
         n_cs = _dq_column_splits(base_programs, C, partial, max(8 << 20, partial))
-        cols_per_split = triton.cdiv(C, n_cs)
-        n_cs = triton.cdiv(C, cols_per_split)
+        cols_per_split = _cdiv(C, n_cs)
+        n_cs = _cdiv(C, cols_per_split)
         out_dtype = grad_dtype or queries.dtype
         if n_cs == 1:
             dq = torch.empty(queries.shape, dtype=out_dtype, device=device)
             target = dq.unsqueeze(0)
         else:
             target = torch.empty((n_cs, Nq, Lq, d), dtype=torch.float32, device=device)
-        maxsim_bwd_dq_kernel[(base_programs * n_cs,)](
-            grad, queries, documents, qmask, dmask, offs, aux, target,
-            Nq, Lq, d, Ld, C, max(candidates, 1),
-            n_qblocks, n_splits, n_cs, cols_per_split,
-            grad.stride(0), grad.stride(1),
-            queries.stride(0), queries.stride(1), queries.stride(2),
-            sdt, sdl, sdd,
-            sqmn, sqml,
-            sdmt, sdml,
-            aux.stride(0), aux.stride(1), aux.stride(2),
-            *target.stride(),
-            inv_tau_log2e,
-            PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-            HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-            QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-            UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
-        )
+        _launcher.launch(
+            maxsim_bwd_dq_kernel, (base_programs * n_cs,),
+            (grad, queries, documents, qmask, dmask, offs, aux, target),
+            (Nq, Lq, d, Ld, C, max(candidates, 1),
+             n_qblocks, n_splits, n_cs, cols_per_split,
+             grad.stride(0), grad.stride(1),
+             queries.stride(0), queries.stride(1), queries.stride(2),
+             sdt, sdl, sdd,
+             sqmn, sqml,
+             sdmt, sdml,
+             aux.stride(0), aux.stride(1), aux.stride(2),
+             *target.stride(),
+             inv_tau_log2e),
+            dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+                 HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
+                 QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+                 UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2))
         if n_cs > 1:
             dq = target.sum(0).to(out_dtype)
 
@@ -297,36 +379,36 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
         method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
         if smooth or method == "dense":
-            n_nblocks = triton.cdiv(max_len, block_n)
+            n_nblocks = _cdiv(max_len, block_n)
             grid = (T * n_nblocks * d_chunks,)
             if offsets is None:
                 sodt, sodl, sodd = dd.stride()
             else:
                 sodt, sodl, sodd = 0, dd.stride(0), dd.stride(1)
             if grid[0] > 0:
-                maxsim_bwd_dd_dense_kernel[grid](
-                    grad, queries, documents, qmask, dmask, offs, aux, dd,
-                    Nq, Lq, d, Ld, max(candidates, 1),
-                    n_nblocks,
-                    grad.stride(0), grad.stride(1),
-                    queries.stride(0), queries.stride(1), queries.stride(2),
-                    sdt, sdl, sdd,
-                    sqmn, sqml,
-                    sdmt, sdml,
-                    aux.stride(0), aux.stride(1), aux.stride(2),
-                    sodt, sodl, sodd,
-                    inv_tau_log2e,
-                    PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-                    HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-                    QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                    UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2,
-                )
+                _launcher.launch(
+                    maxsim_bwd_dd_dense_kernel, grid,
+                    (grad, queries, documents, qmask, dmask, offs, aux, dd),
+                    (Nq, Lq, d, Ld, max(candidates, 1),
+                     n_nblocks,
+                     grad.stride(0), grad.stride(1),
+                     queries.stride(0), queries.stride(1), queries.stride(2),
+                     sdt, sdl, sdd,
+                     sqmn, sqml,
+                     sdmt, sdml,
+                     aux.stride(0), aux.stride(1), aux.stride(2),
+                     sodt, sodl, sodd,
+                     inv_tau_log2e),
+                    dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+                         HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
+                         QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+                         UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2))
         elif aux.numel() > 0:
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
             flat = dd.view(-1, d)
             rows_per_program = 16
             bd = min(block_d, 128)
-            grid = (triton.cdiv(n_rows, rows_per_program) * triton.cdiv(d, bd),)
+            grid = (_cdiv(n_rows, rows_per_program) * _cdiv(d, bd),)
             if grid[0] > 0:
                 maxsim_bwd_dd_sparse_kernel[grid](
                     grad, queries, perm, row_start, flat,

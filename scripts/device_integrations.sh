@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The integrations' round on the GPU machine (device tool): GPU parity tests and the recipes' device tables for
+# sentence-transformers, colpali-engine and PyLate. Needs `.whl` carried (bash ../shared/device/wheels.sh).
+# Logs and JSON go to $OUT (6 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all]...
+set -uo pipefail
+out="${OUT:-/tmp/out}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.cache/triton"
+parts="${*:-all}"
+want() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
+pytest_q() { timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs "$@"; }
+
+if want colpali || want pylate; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PWD/.site" \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="$PWD/.site:$PWD/.whl/pkgs:$PWD/src:$PWD"
+fi
+if want colpali; then
+  ( pytest_q tests/integrations/colpali/test_gpu.py; echo "colpali tests rc=$?"
+    timeout "${TABLE_S:-150}" python3 benchmarks/colpali_step.py "$out/colpali_step.json"; echo "colpali table rc=$?"
+  ) > "$out/colpali.log" 2>&1
+  grep -E "rc=|passed|failed|error" "$out/colpali.log" | tail -n 6
+fi
+if want pylate; then
+  ( pytest_q tests/integrations/pylate/test_pylate_gpu.py tests/integrations/pylate/test_pylate_scores.py \
+      tests/integrations/pylate/test_pylate_enable.py; echo "pylate tests rc=$?"
+    timeout "${TABLE_S:-150}" python3 benchmarks/pylate_step.py "$out/pylate_step.json"; echo "pylate table rc=$?"
+  ) > "$out/pylate.log" 2>&1
+  grep -E "rc=|passed|failed|error" "$out/pylate.log" | tail -n 6
+fi
+
+if want st; then
+  # the image's own sentence-transformers 6.0.1: the carried ST 5.3.0 (for PyLate) stays off this path
+  ( export PYTHONPATH="$PWD/src:$PWD"
+    pytest_q tests/integrations/sentence_transformers; echo "st tests rc=$?"
+    timeout "${TABLE_S:-150}" python3 benchmarks/st_similarity.py "$out/st_similarity.json"; echo "st table rc=$?"
+  ) > "$out/st.log" 2>&1
+  grep -E "rc=|passed|failed|error" "$out/st.log" | tail -n 6
+fi

@@ -1,0 +1,142 @@
+"""The cached launch path (kernels/_launcher.py) against a stand-in for Triton's JIT function and compiled kernel:
+which launches bind through Triton, which reuse the compiled kernel, with which arguments, and the fallback.
+The real kernels go through it on CUDA (tests/core/test_gpu.py::test_cached_launches_follow_data_and_alignment)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flash_maxsim.kernels import _launcher
+
+
+class FakeTensor:
+    is_cuda = True
+
+    def __init__(self, ptr, dtype=torch.float32):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class Compiled:
+    """Triton's compiled kernel: ``compiled[grid]`` is a runner reading grid[0..2] and taking every argument."""
+
+    def __init__(self, jit):
+        self.jit = jit
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.jit.fail_direct:
+                raise TypeError("runner takes other arguments")
+            self.jit.direct.append(((grid[0], grid[1], grid[2]), args))
+        return runner
+
+
+class FakeJIT:
+    """Triton's JIT function: ``kernel[grid](*args, **meta)`` binds (recorded) and returns the compiled kernel."""
+
+    def __init__(self):
+        names = [("X", False), ("Y", False), ("n", False), ("BLOCK", True), ("FLAG", True)]
+        self.params = [SimpleNamespace(name=n, is_constexpr=c) for n, c in names]
+        self.bound, self.direct = [], []
+        self.fail_direct = False
+
+    def __getitem__(self, grid):
+        def bind(*args, **meta):
+            self.bound.append((grid, args, meta))
+            return Compiled(self)
+        return bind
+
+
+@pytest.fixture
+def fresh_launcher(monkeypatch):
+    monkeypatch.setattr(_launcher, "_RUNNERS", {})
+    monkeypatch.setattr(_launcher, "_enabled", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_second_launch_reuses_the_compiled_kernel_with_constexprs_appended(fresh_launcher):
+    kernel = FakeJIT()
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    meta = dict(BLOCK=64, FLAG=True, num_warps=4)
+    _launcher.launch(kernel, (7,), (x, y), (5,), meta)
+    _launcher.launch(kernel, (7,), (x, y), (5,), meta)
+    assert len(kernel.bound) == 1 and kernel.bound[0][1] == (x, y, 5)
+    assert kernel.direct == [((7, 1, 1), (x, y, 5, 64, True))]
+
+
+def test_new_scalars_dtype_or_alignment_bind_again(fresh_launcher):
+    kernel = FakeJIT()
+    meta = dict(BLOCK=64, FLAG=False)
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    _launcher.launch(kernel, (3,), (x, y), (6,), meta)                       # another integer argument
+    _launcher.launch(kernel, (3,), (FakeTensor(1026), y), (5,), meta)        # 2-byte aligned pointer
+    _launcher.launch(kernel, (3,), (FakeTensor(1024, torch.bfloat16), y), (5,), meta)
+    _launcher.launch(kernel, (3,), (x, y), (5,), dict(BLOCK=32, FLAG=False))  # another constexpr
+    assert len(kernel.bound) == 5 and kernel.direct == []
+    _launcher.launch(kernel, (3,), (FakeTensor(4096), y), (5,), meta)        # same key, other (aligned) data
+    assert kernel.direct == [((3, 1, 1), (kernel.direct[0][1][0], y, 5, 64, False))]
+    assert kernel.direct[0][1][0].ptr == 4096
+
+
+def test_runner_failure_falls_back_to_tritons_path(fresh_launcher):
+    kernel = FakeJIT()
+    meta = dict(BLOCK=64, FLAG=False)
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    kernel.fail_direct = True
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    assert len(kernel.bound) == 2 and kernel.direct == []
+    assert not _launcher._enabled
+    kernel.fail_direct = False
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    assert len(kernel.bound) == 3 and kernel.direct == []
+
+
+def test_cpu_tensors_always_take_tritons_path(fresh_launcher):
+    kernel = FakeJIT()
+    x = FakeTensor(1024)
+    x.is_cuda = False
+    for _ in range(2):
+        _launcher.launch(kernel, (3,), (x,), (5,), dict(BLOCK=64, FLAG=False))
+    assert len(kernel.bound) == 2 and kernel.direct == []
+
+
+# --- tile choices (kernels/launch.py): pure host logic, pinned where a device run showed a regression ---------
+
+from flash_maxsim.kernels import launch  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_take_full_width_feature_tiles(dtype, highest_fp32_precision):
+    # device run 7: the bf16 backward picked the fp32 CUDA-core chunks and training steps ran 2x slower
+    assert launch.feature_tiling_for(128, dtype) == (128, 1)
+    assert launch.feature_tiling_for(96, dtype) == (128, 1)
+    assert launch.feature_tiling_for(1024, dtype) == (128, 8)
+
+
+def test_fp32_feature_tiles_follow_matmul_precision():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")     # CUDA-core products: narrow chunks stay in registers
+        assert launch.feature_tiling_for(128, torch.float32) == (32, 4)
+        assert launch.feature_tiling_for(96, torch.float32) == (32, 3)
+        torch.set_float32_matmul_precision("high")        # tf32 tensor cores: as half precision
+        assert launch.feature_tiling_for(128, torch.float32) == (128, 1)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_compute_bound_scoring_takes_256_row_tiles_and_training_keeps_128(monkeypatch):
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    scoring = launch.forward_config(1, 10000, 1024, 1024, 128, False, False)
+    assert (scoring["TOKB"] * scoring["QPB"], scoring["num_warps"]) == (256, 8)
+    many_queries = launch.forward_config(64, 1000, 32, 300, 128, False, False)
+    assert (many_queries["TOKB"], many_queries["QPB"]) == (32, 8)
+    training = launch.forward_config(64, 1000, 32, 300, 128, False, True)
+    assert training["TOKB"] * training["QPB"] == 128 and training["DSPLIT"] == 1
+    few_long = launch.forward_config(16, 32, 32, 8192, 128, False, False)
+    assert few_long["DSPLIT"] > 1
