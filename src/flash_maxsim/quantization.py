@@ -58,6 +58,13 @@ class QuantizedDocuments:
         return total
 
     @property
+    def num_documents(self) -> int:
+        """Documents in the index (``B``; ``Nq * K`` for per-query candidates)."""
+        if self.offsets is not None:
+            return self.offsets.shape[0] - 1
+        return self.values.shape[:-2].numel()
+
+    @property
     def device(self) -> torch.device:
         return self.values.device
 

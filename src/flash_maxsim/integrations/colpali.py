@@ -79,7 +79,12 @@ def _late_interaction(queries: torch.Tensor, documents, smooth_tau: Optional[flo
     """MaxSim of colpali-engine's zero-padded embeddings: no masks, so padding tokens are similarity-0 tokens.
 
     ``documents`` ``[B, Ld, d]`` -> ``[Nq, B]``; ``[Nq, K, Ld, d]`` -> ``[Nq, K]`` (each query its own K)."""
-    queries, documents = _cast_like_autocast(queries, documents)
+    if isinstance(documents, flash_maxsim.PackedDocuments):
+        queries, values = _cast_like_autocast(queries, documents.values)
+        documents = documents._replace(values=values)
+    elif isinstance(documents, torch.Tensor):
+        queries, documents = _cast_like_autocast(queries, documents)
+    # quantised passages: the queries keep their dtype (the index is dequantised on chip, in it)
     return flash_maxsim.maxsim(queries, documents, masked="zero", smooth_tau=smooth_tau)
 
 
@@ -193,6 +198,11 @@ def _padded_by_library(lengths: List[int], batch_size: int) -> List[bool]:
 
 def _check_passages(ps, queries: torch.Tensor) -> None:
     """Name the offending argument (the library would fail inside einsum, flash_maxsim with its own names)."""
+    if isinstance(ps, flash_maxsim.QuantizedDocuments):
+        if ps.values.shape[-1] != queries.shape[-1]:
+            raise ValueError(f"quantized `ps` has embedding dim {ps.values.shape[-1]}; the queries `qs` have "
+                             f"{queries.shape[-1]}")
+        return
     tensor = isinstance(ps, torch.Tensor)
     for i, p in enumerate([ps] if tensor else ps):
         name = "`ps`" if tensor else f"`ps[{i}]`"
@@ -208,9 +218,25 @@ def _check_passages(ps, queries: torch.Tensor) -> None:
             raise ValueError(f"{name} has embedding dim {p.shape[-1]}; the queries `qs` have {queries.shape[-1]}")
 
 
+def _chunk_ranges(lengths: List[int], extra: List[bool]) -> Iterator[Tuple[int, int]]:
+    """Consecutive document ranges of at most ``_CHUNK_TOKENS`` tokens (zero tokens included; at least one
+    document each)."""
+    start = 0
+    while start < len(lengths):
+        stop, tokens = start, 0
+        while stop < len(lengths) and (stop == start or tokens + lengths[stop] + 1 <= _CHUNK_TOKENS):
+            tokens += lengths[stop] + extra[stop]
+            stop += 1
+        yield start, stop
+        start = stop
+
+
 def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
     """Yield the passages in chunks of at most ``_CHUNK_TOKENS`` tokens, on ``device``, in flash_maxsim's
     padded-tensor or packed layout."""
+    if isinstance(ps, flash_maxsim.QuantizedDocuments):
+        yield from _quantized_chunks(ps, batch_size, device)
+        return
     if isinstance(ps, torch.Tensor):
         # already padded to one length: the library's per-batch padding adds nothing
         step = max(1, _CHUNK_TOKENS // max(int(ps.shape[1]), 1))
@@ -220,12 +246,7 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
     ps = list(ps)
     lengths = [int(p.shape[0]) for p in ps]
     extra = _padded_by_library(lengths, batch_size)
-    start = 0
-    while start < len(ps):
-        stop, tokens = start, 0
-        while stop < len(ps) and (stop == start or tokens + lengths[stop] + 1 <= _CHUNK_TOKENS):
-            tokens += lengths[stop] + extra[stop]
-            stop += 1
+    for start, stop in _chunk_ranges(lengths, extra):
         home = ps[start].device
         zero_token = ps[start].new_zeros((1, ps[start].shape[1]))
         pieces, offsets = [], [0]
@@ -240,13 +261,56 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
         offsets = torch.tensor(offsets, dtype=torch.int64, device=values.device)
         yield flash_maxsim.PackedDocuments(values, offsets, longest)
         del values, offsets, pieces      # before the next chunk exists: one chunk at a time
-        start = stop
+
+
+def _quantized_chunks(ps, batch_size: int, device) -> Iterator[object]:
+    """The same chunks for a quantised index (``flash_maxsim.quantize`` of the passages): a padded one is sliced;
+    a packed one (quantised from a list) gets the library's zero token as an int8/fp8 zero with scale 0, so its
+    scores are the library's on the dequantised passages."""
+    if ps.offsets is None:
+        if ps.values.dim() != 3:
+            raise ValueError(f"quantized `ps` has values of shape {list(ps.values.shape)}; expected padded "
+                             "[n_passages, sequence_length, dim] or packed (quantize a list of passages)")
+        step = max(1, _CHUNK_TOKENS // max(int(ps.values.shape[1]), 1))
+        for start in range(0, ps.values.shape[0], step):
+            part = slice(start, start + step)
+            yield flash_maxsim.QuantizedDocuments(
+                ps.values[part], ps.scales[part], None, None if ps.mask is None else ps.mask[part],
+                None, ps.kind).to(device)
+        return
+    bounds = ps.offsets.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    extra = _padded_by_library(lengths, batch_size)
+    zero_value = ps.values.new_zeros((1, ps.values.shape[1]))
+    zero_scale = ps.scales.new_zeros((1,))
+    zero_mask = None if ps.mask is None else ps.mask.new_ones((1,))
+    for start, stop in _chunk_ranges(lengths, extra):
+        values, scales, masks, offsets = [], [], [], [0]
+        for i in range(start, stop):
+            a, b = bounds[i], bounds[i + 1]
+            values.append(ps.values[a:b])
+            scales.append(ps.scales[a:b])
+            if ps.mask is not None:
+                masks.append(ps.mask[a:b])
+            if extra[i]:
+                values.append(zero_value)
+                scales.append(zero_scale)
+                if ps.mask is not None:
+                    masks.append(zero_mask)
+            offsets.append(offsets[-1] + lengths[i] + extra[i])
+        longest = max(lengths[i] + extra[i] for i in range(start, stop))
+        yield flash_maxsim.QuantizedDocuments(
+            torch.cat(values).to(device), torch.cat(scales).to(device),
+            torch.tensor(offsets, dtype=torch.int64, device=device),
+            torch.cat(masks).to(device) if masks else None, longest, ps.kind)
 
 
 def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Tensor:
     """Late-interaction (MaxSim) scores ``[n_queries, n_passages]``, float32 on the CPU, equal to the library's.
 
-    ``qs`` / ``ps``: lists of ``[sequence_length_i, dim]`` tensors or padded ``[n, max_length, dim]`` tensors.
+    ``qs`` / ``ps``: lists of ``[sequence_length_i, dim]`` tensors or padded ``[n, max_length, dim]`` tensors;
+    ``ps`` may also be a compressed index, ``flash_maxsim.quantize(ps)`` (int8, or fp8 on GPUs that have it):
+    then the scores are the library's on the dequantised passages.
     Passages are scored without padding, chunk by chunk, so memory does not grow with ``batch_size`` or the pool;
     ``batch_size`` only names the groups the library would pad together (see the module notes)."""
     from colpali_engine.utils import processing_utils
@@ -254,7 +318,7 @@ def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Ten
     device = device or processing_utils.get_torch_device("auto")
     if len(qs) == 0:
         raise ValueError("No queries provided")
-    if len(ps) == 0:
+    if (ps.num_documents if isinstance(ps, flash_maxsim.QuantizedDocuments) else len(ps)) == 0:
         raise ValueError("No passages provided")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")

@@ -178,3 +178,39 @@ def test_dispatch_functions(generator, has_dispatch, calls, monkeypatch):
         got_inbatch, got_kd = dispatch.maxsim_inbatch(q, d), dispatch.maxsim_kd(q, kd)
     assert torch.equal(got_inbatch, want_inbatch) and torch.equal(got_kd, want_kd)
     assert calls.flash == 2 and calls.library_einsum == 2     # the two library reference calls above
+
+
+@pytest.mark.parametrize("layout", ["list", "padded"])
+@pytest.mark.parametrize("batch_size", [2, 128])
+def test_quantized_passages_score_as_the_library_on_the_dequantized_ones(layout, batch_size, generator, calls,
+                                                                          monkeypatch):
+    """A compressed index (issue 7): ``score_multi_vector(qs, flash_maxsim.quantize(ps))`` after enable() gives
+    the library's scores on the dequantised passages, the library's per-batch zero padding included (a zero
+    token with scale 0 in the packed index), chunk boundaries included."""
+    monkeypatch.setattr(flash_colpali, "_CHUNK_TOKENS", 40)        # several chunks
+    qs = [torch.randn(n, 16, generator=generator) for n in (3, 5, 4)]
+    ps = [torch.randn(n, 16, generator=generator) for n in torch.randint(1, 12, (13,), generator=generator).tolist()]
+    if layout == "padded":
+        ps = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
+    index = flash_maxsim.quantize(ps, dtype="int8")
+    dequantized = index.dequantize(torch.float32)
+    if layout == "list":
+        values, offsets, _ = dequantized
+        dequantized = [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    want = score_multi_vector(qs, dequantized, device="cpu", batch_size=batch_size)
+    calls.reset()
+    with flash_colpali.enabled():
+        got = BaseVisualRetrieverProcessor.score_multi_vector(qs, index, device="cpu", batch_size=batch_size)
+    assert calls.flash >= 2 and calls.library_einsum == 0
+    assert got.shape == (3, 13) and got.dtype == torch.float32
+    assert relative_error(got, want) <= 1e-6
+    # not vacuous: the index is not the original passages (int8 rounding moves the scores)
+    original = score_multi_vector(qs, ps, device="cpu", batch_size=batch_size)
+    assert not torch.equal(original, want)
+
+
+def test_quantized_passages_with_another_dim_name_the_argument(generator):
+    qs = [torch.randn(3, 16, generator=generator)]
+    index = flash_maxsim.quantize([torch.randn(4, 8, generator=generator)])
+    with flash_colpali.enabled(), pytest.raises(ValueError, match="quantized `ps`.*dim 8"):
+        BaseVisualRetrieverProcessor.score_multi_vector(qs, index, device="cpu")
