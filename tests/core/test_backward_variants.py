@@ -76,3 +76,43 @@ def test_query_gradient_column_split(overrides):
             out, ref, gq, gq64, gd, gd64 = _grads(q, docs, smooth_tau=tau)
             torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("peel", [True, False], ids=["peeled", "one-loop"])
+@pytest.mark.parametrize("smooth_tau", [None, 0.3])
+def test_whole_document_tiles_and_the_partial_last_one(overrides, peel, smooth_tau):
+    """16-token document tiles on documents of 48 (three whole tiles), 50 (whole tiles and a partial one), 16,
+    7 (one partial tile) and 0 tokens: whole tiles skip the per-element range test (PEEL_TAIL), and scores,
+    gradients and the first-arg-max rule across tiles must not depend on where the tiles end."""
+    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, PEEL_TAIL=peel)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(14)
+    q = torch.randn(2, 5, 16, generator=g).to(dev)
+    lengths = [48, 50, 16, 7, 0]
+    docs = [torch.randn(n, 16, generator=g).to(dev) for n in lengths]
+    # an exact tie across whole tiles, at the max of query 0's first token: its gradient goes to token 3 alone
+    docs[0][3] = q[0, 0]
+    docs[0][40] = docs[0][3]
+    qmask = (torch.rand(2, 5, generator=g) > 0.2).to(dev)
+    qmask[0, 0] = True
+    padded = torch.nn.utils.rnn.pad_sequence(docs, batch_first=True)
+    dmask = torch.zeros(padded.shape[:2], dtype=torch.bool, device=dev)
+    for i, n in enumerate(lengths):
+        dmask[i, :n] = torch.rand(n, generator=g).to(dev) > 0.1
+    dmask[0, [3, 40]] = True
+    with force_backend("triton"):
+        for masked in ("exclude", "zero"):
+            out, ref, gq, gq64, gd, gd64 = _grads(q, padded, queries_mask=qmask, documents_mask=dmask,
+                                                   masked=masked, smooth_tau=smooth_tau)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
+            if smooth_tau is None:
+                # autograd of the reference's amax splits a tie evenly; the kernels give it to the first token
+                assert gd[0, 40].abs().sum() == 0 and gd64[0, 40].abs().sum() > 0
+                gd64[0, 3] += gd64[0, 40]
+                gd64[0, 40] = 0
+            torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():           # ragged, no masks: the range test is the only one left
+            got = fm.maxsim(q, docs, smooth_tau=smooth_tau)
+            want = reference.maxsim(q.double(), [x.double() for x in docs], smooth_tau=smooth_tau)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

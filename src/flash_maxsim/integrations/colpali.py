@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import flash_maxsim
 
 from ._patches import Integration, PatchSet
+from ._quantized import padded_by_group, with_zero_tokens
 
 __all__ = ["enable", "disable", "is_enabled", "enabled", "SUPPORTED"]
 
@@ -186,16 +187,6 @@ def _maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
 
 # --- retrieval scoring ------------------------------------------------------------------------------------------------
 
-def _padded_by_library(lengths: List[int], batch_size: int) -> List[bool]:
-    """Which documents the library's per-batch ``pad_sequence`` lengthens (shorter than their batch's longest)."""
-    flags = []
-    for start in range(0, len(lengths), batch_size):
-        group = lengths[start:start + batch_size]
-        longest = max(group)
-        flags.extend(n < longest for n in group)
-    return flags
-
-
 def _check_passages(ps, queries: torch.Tensor) -> None:
     """Name the offending argument (the library would fail inside einsum, flash_maxsim with its own names)."""
     if isinstance(ps, flash_maxsim.QuantizedDocuments):
@@ -245,7 +236,7 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
         return
     ps = list(ps)
     lengths = [int(p.shape[0]) for p in ps]
-    extra = _padded_by_library(lengths, batch_size)
+    extra = padded_by_group(lengths, batch_size)
     for start, stop in _chunk_ranges(lengths, extra):
         home = ps[start].device
         zero_token = ps[start].new_zeros((1, ps[start].shape[1]))
@@ -280,29 +271,9 @@ def _quantized_chunks(ps, batch_size: int, device) -> Iterator[object]:
         return
     bounds = ps.offsets.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    extra = _padded_by_library(lengths, batch_size)
-    zero_value = ps.values.new_zeros((1, ps.values.shape[1]))
-    zero_scale = ps.scales.new_zeros((1,))
-    zero_mask = None if ps.mask is None else ps.mask.new_ones((1,))
+    extra = padded_by_group(lengths, batch_size)
     for start, stop in _chunk_ranges(lengths, extra):
-        values, scales, masks, offsets = [], [], [], [0]
-        for i in range(start, stop):
-            a, b = bounds[i], bounds[i + 1]
-            values.append(ps.values[a:b])
-            scales.append(ps.scales[a:b])
-            if ps.mask is not None:
-                masks.append(ps.mask[a:b])
-            if extra[i]:
-                values.append(zero_value)
-                scales.append(zero_scale)
-                if ps.mask is not None:
-                    masks.append(zero_mask)
-            offsets.append(offsets[-1] + lengths[i] + extra[i])
-        longest = max(lengths[i] + extra[i] for i in range(start, stop))
-        yield flash_maxsim.QuantizedDocuments(
-            torch.cat(values).to(device), torch.cat(scales).to(device),
-            torch.tensor(offsets, dtype=torch.int64, device=device),
-            torch.cat(masks).to(device) if masks else None, longest, ps.kind)
+        yield with_zero_tokens(ps, bounds, extra, start, stop, device)
 
 
 def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Tensor:

@@ -21,7 +21,8 @@ autocast dtype, as PyLate's einsum would be.
 ``colbert_scores_pairwise``, ``colbert_kd_scores`` (and every ``from pylate.scores import ...`` copy inside
 PyLate), ``ColBERTScores.__call__``, the ``score_metric`` defaults of the losses, and ``ColBERT.similarity`` /
 ``similarity_pairwise`` run through flash_maxsim — so losses built with their defaults, ``rank.rerank``, the
-retrievers and the evaluators do. PyLate's own ``backend=`` / ``PYLATE_SCORES_BACKEND`` are then ignored.
+retrievers and the evaluators do. ``rank.rerank`` also takes a compressed candidate index per query
+(``flash_maxsim.quantize``). PyLate's own ``backend=`` / ``PYLATE_SCORES_BACKEND`` are then ignored.
 Function objects handed out while enabled (a loss's default ``score_metric``, ``model.similarity``) go back to
 PyLate's own code after ``disable()``.
 """
@@ -40,6 +41,7 @@ import flash_maxsim
 from flash_maxsim import reference
 
 from ._patches import Integration, PatchSet
+from ._quantized import padded_by_group, with_zero_tokens
 
 logger = logging.getLogger("flash_maxsim")
 
@@ -305,6 +307,53 @@ def _colbert_scores_call(self, queries_embeddings, documents_embeddings, queries
     return _grouped_scores(queries_embeddings, documents_embeddings, queries_mask, documents_mask, backend, "zero")
 
 
+# ---------------------------------------------------------------------------------------------------- rerank
+
+def _make_rerank(original: Callable) -> Callable:
+    """``pylate.rank.rerank`` that also takes a compressed index: any query's candidates may be
+    ``flash_maxsim.quantize(candidates)`` (int8, or fp8 on GPUs that have it). Those are scored in the fused kernel
+    as PyLate scores its zero-padded candidates (one zero token, scale 0, after each candidate shorter than the
+    query's longest: ``masked="zero"`` semantics), so the scores are PyLate's on the dequantised candidates.
+    Other queries go through PyLate's own ``rerank`` (whose scoring is flash_maxsim's while enabled)."""
+
+    def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None):
+        if not isinstance(documents_embeddings, (list, tuple)) or \
+                not any(isinstance(x, flash_maxsim.QuantizedDocuments) for x in documents_embeddings):
+            return original(documents_ids, queries_embeddings, documents_embeddings, device)
+        if isinstance(queries_embeddings, torch.Tensor) and queries_embeddings.dim() == 2:
+            queries_embeddings = queries_embeddings.unsqueeze(0)     # one query, as PyLate's reshape does
+        results = []
+        for i, (query, ids, candidates) in enumerate(zip(queries_embeddings, documents_ids, documents_embeddings)):
+            if isinstance(candidates, flash_maxsim.QuantizedDocuments):
+                results.append(_rerank_quantized(_as_tensor(f"queries_embeddings[{i}]", query), ids, candidates,
+                                                 device))
+            else:
+                results.extend(original([ids], [query], [candidates], device))
+        return results
+
+    return rerank
+
+
+def _rerank_quantized(query: torch.Tensor, ids, index, device) -> list:
+    if index.num_documents != len(ids):
+        raise ValueError(f"a quantized candidate index holds {index.num_documents} documents but "
+                         f"`documents_ids` lists {len(ids)} for that query")
+    _check_dim("queries_embeddings[i]", query, 2, "[Lq, H]")
+    device = device if device is not None else query.device
+    query = query.to(device)
+    if index.offsets is not None:
+        bounds = index.offsets.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        # PyLate pads all of a query's candidates together, to the longest
+        index = with_zero_tokens(index, bounds, padded_by_group(lengths, max(len(lengths), 1)), 0, len(lengths),
+                                 device)
+    else:
+        index = index.to(device)
+    scores = flash_maxsim.maxsim(query, index, masked="zero")
+    scores, order = torch.sort(scores, descending=True)
+    return [{"id": ids[j], "score": score} for j, score in zip(order.tolist(), scores.cpu().tolist())]
+
+
 # ---------------------------------------------------------------------------------------------------- enable()
 
 _SCORE_FUNCTIONS = (("colbert_scores", colbert_scores),
@@ -366,6 +415,12 @@ def _install(patches: PatchSet) -> None:
         # "pylate." with the dot: other distributions (pylate_rs, ...) share the prefix
         patches.patch_aliases(original, dispatch, ("pylate.",))
         replacements.append((original, dispatch))
+
+    rank = sys.modules.get("pylate.rank.rank")
+    original_rerank = getattr(rank, "rerank", None) if rank is not None else None
+    if original_rerank is not None:
+        patches.patch_aliases(original_rerank, _dispatcher(_make_rerank(original_rerank), original_rerank),
+                              ("pylate.",))
 
     # PyLate >= 1.5: losses default to ColBERTScores() built in __init__; patching the method also covers
     # instances that already exist, and disable() restores them all.

@@ -182,3 +182,41 @@ def test_functions_handed_out_while_enabled_go_back_to_pylate_after_disable(flas
     distillation_metric(Q, D[:3].unsqueeze(1), None, dmask[:3].unsqueeze(1))
     assert flash_calls.calls == 0
     assert handed_out.flash_maxsim_original is lib.PYLATE_COLBERT_SCORES
+
+
+def test_rerank_takes_a_quantized_candidate_index(flash_calls):
+    """A query's candidates may be a compressed index (issue 7): ``flash_maxsim.quantize`` of the candidate list
+    (packed) or of a padded tensor. Rankings and scores are PyLate's own on the dequantised candidates, its
+    zero padding included; the other queries of the same call keep PyLate's path."""
+    import flash_maxsim
+
+    g = torch.Generator().manual_seed(21)
+    queries = [torch.randn(5, 16, generator=g) for _ in range(3)]
+    candidates = [[torch.randn(n, 16, generator=g) for n in lengths] for lengths in ((3, 9, 1, 6), (4, 4), (2, 7, 5))]
+    ids = [["a", "b", "c", "d"], ["e", "f"], ["g", "h", "i"]]
+    packed = flash_maxsim.quantize(candidates[0])
+    padded = flash_maxsim.quantize(torch.nn.utils.rnn.pad_sequence(candidates[2], batch_first=True))
+    values, offsets, _ = packed.dequantize()
+    dequantized = [
+        [values[a:b].numpy() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())],
+        [c.numpy() for c in candidates[1]],
+        [row.numpy() for row in padded.dequantize()],
+    ]
+    expected = pylate.rank.rerank(documents_ids=ids, queries_embeddings=queries, documents_embeddings=dequantized)
+    with flash_pylate.enabled():
+        got = pylate.rank.rerank(documents_ids=ids, queries_embeddings=queries,
+                                 documents_embeddings=[packed, dequantized[1], padded])
+    assert flash_calls.calls == 3
+    assert [[r["id"] for r in q] for q in got] == [[r["id"] for r in q] for q in expected]
+    for q, q_ref in zip(got, expected):
+        assert [r["score"] for r in q] == pytest.approx([r["score"] for r in q_ref], abs=2e-5)
+    # not vacuous: the zero padding decides some scores (a candidate whose similarities are all negative)
+    negative = [-torch.rand(4, 16, generator=g) - 0.1]
+    short_and_long = [[torch.rand(1, 16, generator=g) + 0.1, torch.rand(8, 16, generator=g) + 0.1]]
+    with flash_pylate.enabled():
+        padded_scores = pylate.rank.rerank(documents_ids=[["x", "y"]], queries_embeddings=negative,
+                                           documents_embeddings=[flash_maxsim.quantize(short_and_long[0])])
+    assert {r["id"]: r["score"] for r in padded_scores[0]}["x"] == 0.0
+    with pytest.raises(ValueError, match="holds 2 documents but `documents_ids` lists 3"), flash_pylate.enabled():
+        pylate.rank.rerank(documents_ids=[["x", "y", "z"]], queries_embeddings=negative,
+                           documents_embeddings=[flash_maxsim.quantize(short_and_long[0])])
