@@ -147,13 +147,18 @@ class _Side:
     mask: Optional[Tensor]          # the caller's mask, [N, width], any dtype; None when not given
     device: Optional[torch.device]  # where the caller's tensors live; None for numpy input
 
+    lengths_: Optional[List[int]] = None      # computed once: a 20k-item list makes every pass count
+    dtype_: Optional[torch.dtype] = None
+
     @property
     def count(self) -> int:
         return len(self.items) if self.items is not None else self.padded.shape[0]
 
     @property
     def lengths(self) -> List[int]:
-        return [int(x.shape[0]) for x in self.items]
+        if self.lengths_ is None:
+            self.lengths_ = [int(x.shape[0]) for x in self.items]
+        return self.lengths_
 
     @property
     def width(self) -> int:
@@ -169,26 +174,36 @@ class _Side:
 
     @property
     def dtype(self) -> torch.dtype:
-        if self.items is not None:
-            return functools.reduce(torch.promote_types, [x.dtype for x in self.items])
-        return self.padded.dtype
+        if self.items is None:
+            return self.padded.dtype
+        if self.dtype_ is None:
+            self.dtype_ = functools.reduce(torch.promote_types, {x.dtype for x in self.items})
+        return self.dtype_
 
 
 def _side(embeddings, mask, name: str, mask_name: str) -> _Side:
     mask = _as_mask(mask, mask_name)
     if isinstance(embeddings, (list, tuple)):
         device = embeddings[0].device if embeddings and isinstance(embeddings[0], Tensor) else None
-        items = [_as_embeddings(x, f"{name}[{i}]") for i, x in enumerate(embeddings)]
-        dims = {int(x.shape[1]) for x in items if x.dim() == 2}
-        if len(dims) > 1:
-            raise ValueError(f"`{name}` mixes embedding sizes {sorted(dims)}; every item must be [tokens, dim] "
-                             "with one dim")
-        dim = next(iter(dims), 1)
-        for i, x in enumerate(items):
-            if x.dim() == 1 and x.numel() == 0:      # an empty item written as [] has no dim of its own
-                items[i] = x.new_zeros(0, dim)
-            elif x.dim() != 2:
-                raise ValueError(f"`{name}[{i}]` has shape {list(x.shape)}; expected [tokens, dim]")
+        # the common case in one pass (dense floating [tokens, dim] tensors of one dim); else item by item
+        try:
+            kinds = {(x.dim(), x.is_floating_point(), x.layout, x.shape[-1]) for x in embeddings}
+        except (AttributeError, IndexError):
+            kinds = None
+        if kinds is not None and len(kinds) == 1 and next(iter(kinds))[:3] == (2, True, torch.strided):
+            items = list(embeddings)
+        else:
+            items = [_as_embeddings(x, f"{name}[{i}]") for i, x in enumerate(embeddings)]
+            dims = {int(x.shape[1]) for x in items if x.dim() == 2}
+            if len(dims) > 1:
+                raise ValueError(f"`{name}` mixes embedding sizes {sorted(dims)}; every item must be "
+                                 "[tokens, dim] with one dim")
+            dim = next(iter(dims), 1)
+            for i, x in enumerate(items):
+                if x.dim() == 1 and x.numel() == 0:      # an empty item written as [] has no dim of its own
+                    items[i] = x.new_zeros(0, dim)
+                elif x.dim() != 2:
+                    raise ValueError(f"`{name}[{i}]` has shape {list(x.shape)}; expected [tokens, dim]")
         side = _Side(name, mask_name, items, None, mask, device)
     else:
         device = embeddings.device if isinstance(embeddings, Tensor) else None
@@ -343,7 +358,8 @@ def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize
             if sum(chunk) == 0:
                 parts.append(torch.zeros(Q.shape[0], end - start, dtype=torch.float32, device=scoring_device))
                 continue
-            values = torch.cat([x.to(dtype) for x in documents.items[start:end]]).to(scoring_device)
+            # torch.cat promotes mixed dtypes to documents.dtype, which `dtype` contains: one conversion after
+            values = torch.cat(documents.items[start:end]).to(device=scoring_device, dtype=dtype)
             offsets = torch.tensor([0] + chunk, device=scoring_device).cumsum(0)
             valid_packed = None if documents.mask is None else \
                 valid[start:end][in_doc[start:end]].to(scoring_device)
