@@ -150,8 +150,10 @@ def forward_table(dev, quick, sweep):
     return rows
 
 
-TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "sparse"}}, {"fwd": {"num_warps": 8}}, {"fwd": {"num_stages": 3}},
-               {"fwd": {"num_warps": 8, "num_stages": 3}}]
+TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "sparse"}}, {"fwd": {"num_stages": 3}},
+               {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"ROWS": 256, "num_warps": 8, "num_stages": 3}},
+               {"bwd": {"DD_BLOCK_N": 128}}, {"bwd": {"DD_BLOCK_N": 128, "DD_WARPS": 8}},
+               {"bwd": {"DD_STAGES": 3}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DQ_STAGES": 3}}]
 
 
 def train_table(dev, sweep=False):
@@ -231,6 +233,31 @@ def fp32_table(dev):
                 res.append((float("inf"), {**v, "error": type(e).__name__}))
         launch.FORWARD_OVERRIDES.clear()
         print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res), flush=True)
+
+
+INT8_SWEEP = [{}, {"BLOCK_N": 128}, {"num_stages": 4}, {"BLOCK_N": 128, "num_stages": 4}, {"num_warps": 8},
+              {"BLOCK_N": 32}, {"PEEL_TAIL": False}]
+
+
+def int8_table(dev):
+    """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor."""
+    from flash_maxsim.kernels import launch
+    for Nq, B, Lq, Ld in [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]:
+        q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
+        index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))
+        res = []
+        for v in INT8_SWEEP:
+            launch.FORWARD_OVERRIDES.clear()
+            launch.FORWARD_OVERRIDES.update(v)
+            try:
+                res.append((bench(lambda: fm.maxsim(q, index)), v))
+            except Exception as e:
+                res.append((float("inf"), {**v, "error": type(e).__name__}))
+        launch.FORWARD_OVERRIDES.clear()
+        floor_ms = index.nbytes / 4.2e12 * 1e3
+        print(f"int8 {Nq}x{B} {Lq}x{Ld}: bytes floor {floor_ms:.3f} ms; "
+              + "  ".join(f"{t:.3f}:{v}" for t, v in sorted(res, key=lambda r: r[0])), flush=True)
+        del q, index
 
 
 def host_table(dev):
@@ -314,6 +341,7 @@ def main():
     ap.add_argument("--no-train", action="store_true", help="skip the training table")
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
+    ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
@@ -322,6 +350,8 @@ def main():
     torch.set_float32_matmul_precision("highest")
     if args.host:
         host_table(dev)
+    if args.int8:
+        int8_table(dev)
     if args.fp32:
         fp32_table(dev)
         torch.set_float32_matmul_precision("highest")

@@ -116,3 +116,22 @@ def test_whole_document_tiles_and_the_partial_last_one(overrides, peel, smooth_t
             got = fm.maxsim(q, docs, smooth_tau=smooth_tau)
             want = reference.maxsim(q.double(), [x.double() for x in docs], smooth_tau=smooth_tau)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("knobs", [dict(DD_BLOCK_N=16), dict(DD_BLOCK_N=128), dict(DQ_PARTIAL_BYTES=0)],
+                         ids=["dd-16-token-blocks", "dd-128-token-blocks", "dq-no-column-split"])
+@pytest.mark.parametrize("smooth_tau", [None, 0.3])
+def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smooth_tau):
+    """The backward's tuning hooks (swept on the device by benchmarks/kernel_check.py --sweep) change tiles and
+    splits, not the function."""
+    overrides.BACKWARD_OVERRIDES.update(knobs)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(2, 5, 8, generator=g).to(dev)
+    docs = torch.randn(20, 21, 8, generator=g).to(dev)
+    mask = (torch.rand(20, 21, generator=g) > 0.2).to(dev)
+    with force_backend("triton"):
+        out, ref, gq, gq64, gd, gd64 = _grads(q, docs, documents_mask=mask, smooth_tau=smooth_tau)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-5)

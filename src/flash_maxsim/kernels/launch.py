@@ -268,7 +268,9 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
     return splits
 
 
-# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sparse" (hard max only).
+# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sparse" (hard max only); DD_BLOCK_N,
+# DD_WARPS, DD_STAGES (dense dD kernel); DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column
+# splits' fp32 partial sums; 0 = no split).
 BACKWARD_OVERRIDES: dict = {}
 
 
@@ -346,7 +348,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         base_programs = n_qblocks * n_splits * d_chunks
         # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
         partial = Nq * Lq * d * 4
-        n_cs = _dq_column_splits(base_programs, C, partial, max(8 << 20, partial))
+        n_cs = _dq_column_splits(base_programs, C, partial,
+                                 BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", max(8 << 20, partial)))
         cols_per_split = _cdiv(C, n_cs)
         n_cs = _cdiv(C, cols_per_split)
         out_dtype = grad_dtype or queries.dtype
@@ -371,7 +374,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
             dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                 UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2))
+                 UPCAST=upcast, PRECISION=precision, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
+                 num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2)))
         if n_cs > 1:
             dq = target.sum(0).to(out_dtype)
 
@@ -379,7 +383,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
         method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
         if smooth or method == "dense":
-            n_nblocks = _cdiv(max_len, block_n)
+            dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", block_n)
+            n_nblocks = _cdiv(max_len, dd_block_n)
             grid = (T * n_nblocks * d_chunks,)
             if offsets is None:
                 sodt, sodl, sodd = dd.stride()
@@ -401,8 +406,9 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                      inv_tau_log2e),
                     dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                          HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-                         QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                         UPCAST=upcast, PRECISION=precision, num_warps=4, num_stages=2))
+                         QPB=qpb, TOKB=tokb, BLOCK_N=dd_block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
+                         UPCAST=upcast, PRECISION=precision, num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
+                         num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2)))
         elif aux.numel() > 0:
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
             flat = dd.view(-1, d)
