@@ -117,8 +117,25 @@ SWEEP = [{}, {"num_warps": 8}, {"BLOCK_N": 128}, {"BLOCK_N": 32}, {"num_stages":
          {"ROWS": 256, "num_warps": 8, "PEEL_TAIL": False}]
 
 
-def forward_table(dev, quick, sweep):
+def forward_sweep(fn, variants):
+    """(median ms, variant) of ``fn`` under each launch.FORWARD_OVERRIDES variant; one that does not compile or
+    fit is recorded as inf with its error instead of stopping the sweep."""
     from flash_maxsim.kernels import launch
+    res = []
+    try:
+        for v in variants:
+            launch.FORWARD_OVERRIDES.clear()
+            launch.FORWARD_OVERRIDES.update(v)
+            try:
+                res.append((bench(fn), v))
+            except Exception as e:
+                res.append((float("inf"), {**v, "error": type(e).__name__}))
+    finally:
+        launch.FORWARD_OVERRIDES.clear()
+    return res
+
+
+def forward_table(dev, quick, sweep):
     rows = []
     for Nq, B, Lq, Ld, d in FORWARD_SHAPES:
         q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
@@ -126,15 +143,7 @@ def forward_table(dev, quick, sweep):
         if sweep:
             variants = SWEEP + ([{"BLOCK_D": 512, "D_CHUNKS": 1, "BLOCK_N": 32},
                                  {"BLOCK_D": 512, "D_CHUNKS": 1, "BLOCK_N": 16}] if d > 256 else [])
-            res = []
-            for v in variants:
-                launch.FORWARD_OVERRIDES.clear()
-                launch.FORWARD_OVERRIDES.update(v)
-                try:
-                    res.append((bench(lambda: fm.maxsim(q, docs)), v))
-                except Exception as e:  # a config that does not compile/fit is just skipped
-                    res.append((float("inf"), {**v, "error": type(e).__name__}))
-            launch.FORWARD_OVERRIDES.clear()
+            res = forward_sweep(lambda: fm.maxsim(q, docs), variants)
             print(f"sweep {Nq}x{B} {Lq}x{Ld} d={d}: " + "  ".join(f"{t:.3f}:{v}" for t, v in sorted(res, key=lambda r: r[0])[:4]), flush=True)
         ours = bench(lambda: fm.maxsim(q, docs))
         sim_bytes = Nq * B * Lq * Ld * 2
@@ -217,21 +226,12 @@ FP32_SWEEP = [{}, {"BLOCK_D": 128, "D_CHUNKS": 1, "num_warps": 4, "num_stages": 
 
 def fp32_table(dev):
     """fp32 inputs at float32_matmul_precision("highest") (CUDA-core products): tile choices against PyTorch."""
-    from flash_maxsim.kernels import launch
     torch.set_float32_matmul_precision("highest")
     for Nq, B, Lq, Ld, d in [(64, 512, 32, 180, 128), (1, 20000, 32, 166, 128), (8, 64, 32, 300, 96)]:
         q = torch.randn(Nq, Lq, d, device=dev)
         docs = torch.randn(B, Ld, d, device=dev)
         eager = bench(lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1))
-        res = []
-        for v in FP32_SWEEP:
-            launch.FORWARD_OVERRIDES.clear()
-            launch.FORWARD_OVERRIDES.update(v)
-            try:
-                res.append((bench(lambda: fm.maxsim(q, docs)), v))
-            except Exception as e:
-                res.append((float("inf"), {**v, "error": type(e).__name__}))
-        launch.FORWARD_OVERRIDES.clear()
+        res = forward_sweep(lambda: fm.maxsim(q, docs), FP32_SWEEP)
         print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res), flush=True)
 
 
@@ -241,19 +241,10 @@ INT8_SWEEP = [{}, {"BLOCK_N": 128}, {"num_stages": 4}, {"BLOCK_N": 128, "num_sta
 
 def int8_table(dev):
     """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor."""
-    from flash_maxsim.kernels import launch
     for Nq, B, Lq, Ld in [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]:
         q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
         index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))
-        res = []
-        for v in INT8_SWEEP:
-            launch.FORWARD_OVERRIDES.clear()
-            launch.FORWARD_OVERRIDES.update(v)
-            try:
-                res.append((bench(lambda: fm.maxsim(q, index)), v))
-            except Exception as e:
-                res.append((float("inf"), {**v, "error": type(e).__name__}))
-        launch.FORWARD_OVERRIDES.clear()
+        res = forward_sweep(lambda: fm.maxsim(q, index), INT8_SWEEP)
         floor_ms = index.nbytes / 4.2e12 * 1e3
         print(f"int8 {Nq}x{B} {Lq}x{Ld}: bytes floor {floor_ms:.3f} ms; "
               + "  ".join(f"{t:.3f}:{v}" for t, v in sorted(res, key=lambda r: r[0])), flush=True)

@@ -325,8 +325,7 @@ def _make_rerank(original: Callable) -> Callable:
         results = []
         for i, (query, ids, candidates) in enumerate(zip(queries_embeddings, documents_ids, documents_embeddings)):
             if isinstance(candidates, flash_maxsim.QuantizedDocuments):
-                results.append(_rerank_quantized(_as_tensor(f"queries_embeddings[{i}]", query), ids, candidates,
-                                                 device))
+                results.append(_rerank_quantized(f"queries_embeddings[{i}]", query, ids, candidates, device))
             else:
                 results.extend(original([ids], [query], [candidates], device))
         return results
@@ -334,11 +333,12 @@ def _make_rerank(original: Callable) -> Callable:
     return rerank
 
 
-def _rerank_quantized(query: torch.Tensor, ids, index, device) -> list:
+def _rerank_quantized(name: str, query, ids, index, device) -> list:
     if index.num_documents != len(ids):
         raise ValueError(f"a quantized candidate index holds {index.num_documents} documents but "
                          f"`documents_ids` lists {len(ids)} for that query")
-    _check_dim("queries_embeddings[i]", query, 2, "[Lq, H]")
+    query = _as_tensor(name, query)
+    _check_dim(name, query, 2, "[Lq, H]")
     device = device if device is not None else query.device
     query = query.to(device)
     if index.offsets is not None:

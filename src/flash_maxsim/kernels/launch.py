@@ -15,7 +15,6 @@ tile (deterministic two-stage sum), plus, only when a gradient will be taken, ``
 import math
 
 import torch
-import triton
 
 from . import _launcher
 from .backward import maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
@@ -42,22 +41,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _feature_tiling(d: int, precision: str = "tf32") -> tuple[int, int]:
-    if precision == "ieee":
-        # full-fp32 products run on CUDA cores (FMA), whose operand tiles live in registers: 32-wide feature
-        # chunks keep them there (128-wide ones spill: run 7, PyLate fp32 scoring 66 ms vs PyTorch's 8 ms)
-        block_d = min(32, max(16, _pow2(d)))
-        return block_d, _cdiv(d, block_d)
-    block_d = max(16, _pow2(d)) if d <= 256 else 128
-    return block_d, _cdiv(d, block_d)
+def _on_cuda_cores(dtype: torch.dtype) -> bool:
+    """fp32 inputs at "highest": full-fp32 products, which run on CUDA cores (FMA), not tensor cores. (The
+    "ieee" precision name alone does not say this: fp16/bf16 products are "ieee" too, on tensor cores.)"""
+    return dtype == torch.float32 and _precision(dtype) == "ieee"
 
 
 def feature_tiling_for(d: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_D, D_CHUNKS) for inputs of this dtype. "ieee" also names fp16/bf16 products (exact in fp32
-    accumulation, on tensor cores): only fp32 inputs at "highest" run on CUDA cores and take narrow chunks
-    (device run 7 gave bf16 backward those by mistake: 2x slower training steps)."""
-    cuda_cores = dtype == torch.float32 and _precision(dtype) == "ieee"
-    return _feature_tiling(d, "ieee" if cuda_cores else "tf32")
+    """(BLOCK_D, D_CHUNKS) for inputs of this dtype, forward and backward alike."""
+    if _on_cuda_cores(dtype):
+        # FMA operand tiles live in registers: 32-wide feature chunks keep them there (128-wide ones spill:
+        # run 7, PyLate fp32 scoring 66 ms vs PyTorch's 8 ms). Device run 7 also gave these to bf16 by mistake.
+        block_d = min(32, max(16, _pow2(d)))
+    else:
+        block_d = max(16, _pow2(d)) if d <= 256 else 128
+    return block_d, _cdiv(d, block_d)
 
 
 def _doc_strides(documents, offsets):
@@ -90,16 +88,15 @@ def _row_tiling(Nq, Lq, paired, rows):
     return tokb, qpb
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, fp32=False):
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16):
     tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
-    precision = _precision(torch.float32) if fp32 else "tf32"
-    block_d, d_chunks = feature_tiling_for(d, torch.float32 if fp32 else torch.bfloat16)
+    block_d, d_chunks = feature_tiling_for(d, dtype)
     # measured on H200 (docs/perf-notes.md, runs 2 and 6): 4 warps; 3 stages since the peeled last tile (run 6:
     # 512x1024 0.222 vs 0.267 ms, d=384 0.376 vs 0.416), 2 for d < 128 (d=96: 0.092 vs 0.097);
     # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True)
-    if precision == "ieee":
+    if _on_cuda_cores(dtype):
         cfg.update(num_warps=8, num_stages=2)
     elif "ROWS" not in FORWARD_OVERRIDES and not save_aux and d <= 256:
         # compute-bound scoring (many query-token rows, many documents): 256-row tiles on 8 warps read each
@@ -145,7 +142,10 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     Ld = documents.shape[1] if offsets is None else 0
     C = candidates if candidates else T
     smooth = smooth_tau is not None
-    cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux, queries.dtype == torch.float32)
+    if document_scales is not None and queries.is_cuda and documents.dtype != torch.int8 \
+            and torch.cuda.get_device_capability(queries.device) < (8, 9):
+        raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
+    cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux, queries.dtype)
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
         n_ds = 1
@@ -212,8 +212,6 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         document_scales = document_scales.contiguous()
         if documents_mask is not None:
             documents_mask = documents_mask.contiguous()
-        if queries.is_cuda and documents.dtype != torch.int8 and torch.cuda.get_device_capability(device) < (8, 9):
-            raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
     key = (queries.shape, queries.stride(), queries.dtype, documents.shape, documents.stride(), documents.dtype,
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
@@ -329,7 +327,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     upcast = interpreting() and queries.dtype == torch.bfloat16
     precision = _precision(queries.dtype)
     block_d, d_chunks = feature_tiling_for(d, queries.dtype)
-    tokb = min(max(16, _pow2(Lq)), 128)
+    tokb, qpb = _row_tiling(Nq, Lq, bool(candidates), 128)
     block_n = 64 if d <= 256 else 32
     dummy = _dummy(queries)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
@@ -340,7 +338,16 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     offs = offsets if offsets is not None else dummy
     grad = grad.float()
     dq = dd = None
-    qpb = 1 if candidates else max(1, min(_pow2(Nq), 128 // tokb))
+    # what both kernels take after their own sizes, and their common flags
+    strides = (grad.stride(0), grad.stride(1),
+               queries.stride(0), queries.stride(1), queries.stride(2),
+               sdt, sdl, sdd,
+               sqmn, sqml,
+               sdmt, sdml,
+               aux.stride(0), aux.stride(1), aux.stride(2))
+    flags = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
+                 HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
+                 QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
 
     if need_dq:
         n_splits = _cdiv(Lq, tokb)
@@ -361,20 +368,9 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         _launcher.launch(
             maxsim_bwd_dq_kernel, (base_programs * n_cs,),
             (grad, queries, documents, qmask, dmask, offs, aux, target),
-            (Nq, Lq, d, Ld, C, max(candidates, 1),
-             n_qblocks, n_splits, n_cs, cols_per_split,
-             grad.stride(0), grad.stride(1),
-             queries.stride(0), queries.stride(1), queries.stride(2),
-             sdt, sdl, sdd,
-             sqmn, sqml,
-             sdmt, sdml,
-             aux.stride(0), aux.stride(1), aux.stride(2),
-             *target.stride(),
-             inv_tau_log2e),
-            dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-                 HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-                 QPB=qpb, TOKB=tokb, BLOCK_N=block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                 UPCAST=upcast, PRECISION=precision, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
+            (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split,
+             *strides, *target.stride(), inv_tau_log2e),
+            dict(flags, BLOCK_N=block_n, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
                  num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2)))
         if n_cs > 1:
             dq = target.sum(0).to(out_dtype)
@@ -394,20 +390,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                 _launcher.launch(
                     maxsim_bwd_dd_dense_kernel, grid,
                     (grad, queries, documents, qmask, dmask, offs, aux, dd),
-                    (Nq, Lq, d, Ld, max(candidates, 1),
-                     n_nblocks,
-                     grad.stride(0), grad.stride(1),
-                     queries.stride(0), queries.stride(1), queries.stride(2),
-                     sdt, sdl, sdd,
-                     sqmn, sqml,
-                     sdmt, sdml,
-                     aux.stride(0), aux.stride(1), aux.stride(2),
-                     sodt, sodl, sodd,
-                     inv_tau_log2e),
-                    dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
-                         HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
-                         QPB=qpb, TOKB=tokb, BLOCK_N=dd_block_n, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-                         UPCAST=upcast, PRECISION=precision, num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
+                    (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides, sodt, sodl, sodd, inv_tau_log2e),
+                    dict(flags, BLOCK_N=dd_block_n, num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
                          num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2)))
         elif aux.numel() > 0:
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
