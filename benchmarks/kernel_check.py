@@ -135,6 +135,37 @@ def forward_sweep(fn, variants):
     return res
 
 
+BANDWIDTH_ROWS = [(1, 10000, 32, 300, 128), (1, 10000, 32, 1030, 128), (1, 1000, 32, 1024, 128),
+                  (1, 10000, 32, 180, 384), (1, 5000, 31, 257, 96)]
+# session 3's first sweep also tried BLOCK_N 128 (2 or 3 stages), BLOCK_N 32 with 4 stages, 4 stages, 8 warps:
+# all slower on the first two rows (docs/perf-notes.md)
+BANDWIDTH_SWEEP = [{}, {"PEEL_TAIL": True}, {"PEEL_TAIL": False}]
+
+
+def bandwidth_rows(dev, rounds=3):
+    """The one-query, bandwidth-bound rows (issue 2's closest to the peers): tile variants and both peers' forward,
+    timed in interleaved rounds so that clock drift hits every entry alike; median of the rounds' medians."""
+    import statistics
+
+    from _peers import PEER_KEYS, load_peers
+    peers, _ = load_peers(PEER_KEYS)
+    for Nq, B, Lq, Ld, d in BANDWIDTH_ROWS:
+        q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
+        docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
+        entries = {}
+        for _ in range(rounds):
+            for t, v in forward_sweep(lambda: fm.maxsim(q, docs), BANDWIDTH_SWEEP):
+                entries.setdefault(f"ours {v}", []).append(t)
+            for peer in peers:
+                for name, fn in peer.forward_variants(q, docs):
+                    entries.setdefault(f"{peer.label} {name}", []).append(bench(lambda: fn(q, docs)))
+        floor = (q.numel() + docs.numel()) * 2 / 4.2e12 * 1e3
+        ranked = sorted((statistics.median(v), k) for k, v in entries.items())
+        print(f"bandwidth {Nq}x{B} {Lq}x{Ld} d={d} (floor at 4.2 TB/s {floor:.3f} ms): "
+              + "  ".join(f"{t:.4f}:{k}" for t, k in ranked), flush=True)
+        del q, docs
+
+
 def forward_table(dev, quick, sweep):
     rows = []
     for Nq, B, Lq, Ld, d in FORWARD_SHAPES:
@@ -333,6 +364,8 @@ def main():
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
     ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="one-query bandwidth-bound rows: tile variants against both peers, interleaved")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
@@ -345,6 +378,8 @@ def main():
         int8_table(dev)
     if args.fp32:
         fp32_table(dev)
+    if args.bandwidth:
+        bandwidth_rows(dev)
         torch.set_float32_matmul_precision("highest")
     fwd = [] if args.no_forward else forward_table(dev, args.quick, args.fwd_sweep)
     trn = [] if args.no_train else train_table(dev, args.sweep)

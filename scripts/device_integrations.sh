@@ -2,12 +2,14 @@
 # The integrations' round on the GPU machine (device tool): GPU parity tests and the recipes' device tables for
 # sentence-transformers, colpali-engine and PyLate. Needs `.whl` carried (bash ../shared/device/wheels.sh).
 # Logs and JSON go to $OUT (6 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all]...
+# Tests run on WORKERS pytest-xdist processes (default 8; colpali-engine's on COLPALI_WORKERS, default 3): the
+# suites are bound by Triton compilation, which parallel workers overlap.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.cache/triton"
 parts="${*:-all}"
 want() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
-pytest_q() { timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs "$@"; }
+pytest_q() { timeout "${TESTS_S:-200}" python3 -m pytest -n "${WORKERS:-8}" -q -p no:cacheprovider -rfEs "$@"; }
 
 if want colpali || want pylate; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PWD/.site" \
@@ -15,7 +17,8 @@ if want colpali || want pylate; then
   export PYTHONPATH="$PWD/.site:$PWD/.whl/pkgs:$PWD/src:$PWD"
 fi
 if want colpali; then
-  ( pytest_q tests/integrations/colpali/test_gpu.py; echo "colpali tests rc=$?"
+  # 3 workers: each one holds the unpatched library's B = 256 similarity tensors (~27 GB) at its peak
+  ( WORKERS="${COLPALI_WORKERS:-3}" pytest_q tests/integrations/colpali/test_gpu.py; echo "colpali tests rc=$?"
     timeout "${TABLE_S:-150}" python3 benchmarks/colpali_step.py "$out/colpali_step.json"; echo "colpali table rc=$?"
   ) > "$out/colpali.log" 2>&1
   grep -E "rc=|passed|failed|error" "$out/colpali.log" | tail -n 6

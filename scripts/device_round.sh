@@ -2,13 +2,14 @@
 # The kernel owner's round on the GPU machine (device tool), after any kernel change:
 #   core GPU tests, one medium case of every kernel path under compute-sanitizer memcheck, the benchmark.
 # Logs and results go to $OUT. Usage: bash scripts/device_round.sh [tests|sanitizer|bench|all]
+# Tests run on WORKERS pytest-xdist processes (default 8): compilation-bound, ~70 s for the core GPU suite.
 set -uo pipefail
 what="${1:-all}"
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$PWD/.cache/triton"
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
 if [[ "$what" == tests || "$what" == all ]]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest tests/core/test_gpu.py tests/core/test_quantization.py \
+  timeout "${TESTS_S:-240}" python3 -m pytest -n "${WORKERS:-8}" tests/core/test_gpu.py tests/core/test_quantization.py \
     tests/core/test_backward_variants.py tests/core/test_autocast.py -q -p no:cacheprovider -rfEs \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 15 "$out/gpu_tests.txt"
 fi

@@ -140,3 +140,22 @@ def test_compute_bound_scoring_takes_256_row_tiles_and_training_keeps_128(monkey
     assert training["TOKB"] * training["QPB"] == 128 and training["DSPLIT"] == 1
     few_long = launch.forward_config(16, 32, 32, 8192, 128, False, False)
     assert few_long["DSPLIT"] > 1
+
+
+def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch):
+    # run 9: one masked loop is faster when each document token meets at most 32 query tokens (d <= 256);
+    # the peeled last tile stays for d = 384, longer queries, several queries, and the training forward
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    assert launch.forward_config(1, 10000, 32, 300, 128, False, False)["PEEL_TAIL"] is False
+    assert launch.forward_config(1, 5000, 31, 257, 96, False, False)["PEEL_TAIL"] is False
+    assert launch.forward_config(4, 8, 32, 300, 128, True, False)["PEEL_TAIL"] is False     # per-query candidates
+    assert launch.forward_config(1, 10000, 32, 180, 384, False, False)["PEEL_TAIL"] is True
+    assert launch.forward_config(1, 1000, 128, 1024, 128, False, False)["PEEL_TAIL"] is True
+    assert launch.forward_config(64, 1000, 32, 300, 128, False, False)["PEEL_TAIL"] is True
+    assert launch.forward_config(4, 8, 32, 300, 128, True, True)["PEEL_TAIL"] is True
+
+
+def test_fp32_cuda_core_scoring_runs_on_four_warps(highest_fp32_precision):
+    # run 7 / run 9: 4 warps 2.50 ms vs 8 warps 4.1 on a PyLate-shaped fp32 call
+    cfg = launch.forward_config(64, 512, 32, 180, 128, False, False, dtype=torch.float32)
+    assert (cfg["num_warps"], cfg["BLOCK_D"]) == (4, 32)

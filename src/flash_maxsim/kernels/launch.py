@@ -97,7 +97,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True)
     if _on_cuda_cores(dtype):
-        cfg.update(num_warps=8, num_stages=2)
+        # run 7 sweep (PyLate-shaped 64x512 32x180): 4 warps 2.50 ms vs 8 warps 4.1; 1x20k 4.2 vs 4.5
+        cfg.update(num_warps=4, num_stages=2)
     elif "ROWS" not in FORWARD_OVERRIDES and not save_aux and d <= 256:
         # compute-bound scoring (many query-token rows, many documents): 256-row tiles on 8 warps read each
         # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
@@ -110,6 +111,12 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
         cfg["DSPLIT"] = max(1, min(_cdiv(2 * _sm_count(), programs), max_len // 512))
         cfg["num_warps"] = 8
+    if not save_aux and (Lq if paired else Nq * Lq) <= 32 and d <= 256:
+        # bandwidth-bound (each document token meets at most 32 query tokens): one loop with a masked last
+        # tile streams better than a peeled one (session 3, interleaved with both peers: 1x10k 32x300 0.1845
+        # vs 0.1908 ms, peers 0.186; 32x1030 0.603 vs 0.608; d=96 0.089 vs 0.092). d=384 (128-token tiles, chunked
+        # features) streams better peeled: 0.377 vs 0.385
+        cfg["PEEL_TAIL"] = False
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -379,7 +386,11 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
         method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
         if smooth or method == "dense":
-            dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", block_n)
+            # smooth max recomputes every similarity tile: 128-token blocks on 8 warps halve the query-row
+            # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps
+            wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
+            dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
+            dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
             n_nblocks = _cdiv(max_len, dd_block_n)
             grid = (T * n_nblocks * d_chunks,)
             if offsets is None:
@@ -391,7 +402,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                     maxsim_bwd_dd_dense_kernel, grid,
                     (grad, queries, documents, qmask, dmask, offs, aux, dd),
                     (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides, sodt, sodl, sodd, inv_tau_log2e),
-                    dict(flags, BLOCK_N=dd_block_n, num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
+                    dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
                          num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2)))
         elif aux.numel() > 0:
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
