@@ -38,6 +38,12 @@ def test_ragged_lists_match_the_library_exactly(batch_size, generator, calls):
     short as one token make all-negative similarities common, where the library's padding changes the score."""
     qs = _ragged(generator, 5, 2, 6)
     ps = _ragged(generator, 11, 1, 12)
+    # one such case for certain (the check below must not hinge on the draw): document 0 is a single token
+    # whose similarity with query 0's first token is -|q|^2 < 0, and document 1, in its batch, is longer
+    qs[0][0, 0] = 1.0
+    ps[0] = -qs[0][:1].clone()
+    if ps[1].shape[0] < 2:
+        ps[1] = grid_values((2, ps[1].shape[1]), generator)
     want, got = _library_and_patched(qs, ps, calls, batch_size=batch_size)
     assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (5, 11)
     assert torch.equal(got, want)
