@@ -93,3 +93,18 @@ def test_bad_quantize_arguments():
         fm.quantize(torch.randn(2, 3, 4), dtype="int4")
     with pytest.raises(TypeError, match="documents"):
         fm.quantize(torch.randint(0, 3, (2, 3, 4)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scale_granularity_experiment_emulates_the_index_exactly(kind, monkeypatch):
+    """benchmarks/fp8_scale_granularity.py compares scale granularities with its own emulation; at one scale per
+    token it must reproduce flash_maxsim.quantize's dequantised index, or its comparison says nothing."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from fp8_scale_granularity import fake_quantize
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(300, 128, generator=g).half()
+    index = fm.quantize([values], dtype=kind)
+    got = index.dequantize().values
+    torch.testing.assert_close(fake_quantize(values, 128, kind), got, rtol=1e-6, atol=1e-7)

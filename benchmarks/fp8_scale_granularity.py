@@ -1,0 +1,80 @@
+"""Is the fp8 index's fidelity miss (issue 7) inherent to e4m3, or to one scale per token? On the retrieval
+fidelity benchmark's cached embeddings, emulate int8 and e4m3 with one scale per token (what
+``flash_maxsim.quantize`` stores) and per 32- and 16-element group, score the dequantised values with
+flash_maxsim's exact CPU path, and compare nDCG@10 and top-10 overlap with the float64 reference.
+
+    python benchmarks/fp8_scale_granularity.py --data ../shared/data/beir-msmarco-5k \\
+        --data ../shared/data/beir-dbpedia-5k --cache .cache/fidelity --out fp8-granularity.json
+
+Needs the embedding cache written by ``retrieval_fidelity.py`` (CPU only; a few minutes per dataset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import retrieval_fidelity as rf  # noqa: E402  (puts src/ on the path too)
+
+import flash_maxsim  # noqa: E402
+
+VARIANTS = [("int8", 128), ("fp8", 128), ("fp8", 32), ("fp8", 16), ("int8", 32)]  # (kind, elements per scale)
+
+
+def fake_quantize(values: torch.Tensor, group: int, kind: str) -> torch.Tensor:
+    """Symmetric quantisation with one fp32 scale per ``group`` consecutive features, dequantised."""
+    n, d = values.shape
+    v = values.float().view(n, d // group, group)
+    amax = v.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+    if kind == "fp8":
+        scale = amax / 448.0                                   # e4m3's largest finite value
+        q = (v / scale).to(torch.float8_e4m3fn).float() * scale
+    else:
+        scale = amax / 127.0
+        q = torch.round(v / scale).clamp(-127, 127) * scale
+    return q.view(n, d)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", action="append", required=True, help="a BEIR folder (repeatable)")
+    parser.add_argument("--cache", default=".cache/fidelity", help="retrieval_fidelity.py's embedding cache")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    results = []
+    for folder in map(Path, args.data):
+        doc_ids, _, query_ids, _, qrels = rf.load_beir(folder)
+        digest = rf.file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
+        cached = rf.find_cache(Path(args.cache), folder.name, digest)
+        if cached is None:
+            raise SystemExit(f"no embedding cache for {folder} under {args.cache}: run retrieval_fidelity.py first")
+        _, queries, values, lengths = rf.load_cache(cached)
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        max_len = int(lengths.max())
+        queries = queries.float()
+        exact, _ = rf.score_corpus(rf.reference_scorer, queries,
+                                   flash_maxsim.PackedDocuments(values.float(), offsets, max_len), "cpu")
+        for kind, group in VARIANTS:
+            documents = flash_maxsim.PackedDocuments(fake_quantize(values, group, kind), offsets, max_len)
+            c = rf.compare(flash_maxsim.maxsim(queries, documents).double(), exact, doc_ids, query_ids, qrels)
+            d = values.shape[1]
+            row = {"dataset": folder.name, "kind": kind, "elements_per_scale": group,
+                   "index_bytes_vs_bf16": (d + 4 * (d // group)) / (2 * d),
+                   "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],
+                   "max_abs_error": c["abs_error"]["max"]}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
