@@ -222,6 +222,14 @@ def _chunk_ranges(lengths: List[int], extra: List[bool]) -> Iterator[Tuple[int, 
         start = stop
 
 
+def _padded_slices(count: int, width: int) -> Iterator[slice]:
+    """Consecutive slices of ``count`` padded passages of ``width`` tokens, at most ``_CHUNK_TOKENS`` tokens each
+    (at least one passage)."""
+    step = max(1, _CHUNK_TOKENS // max(int(width), 1))
+    for start in range(0, count, step):
+        yield slice(start, start + step)
+
+
 def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
     """Yield the passages in chunks of at most ``_CHUNK_TOKENS`` tokens, on ``device``, in flash_maxsim's
     padded-tensor or packed layout."""
@@ -230,9 +238,8 @@ def _document_chunks(ps, batch_size: int, device) -> Iterator[object]:
         return
     if isinstance(ps, torch.Tensor):
         # already padded to one length: the library's per-batch padding adds nothing
-        step = max(1, _CHUNK_TOKENS // max(int(ps.shape[1]), 1))
-        for start in range(0, ps.shape[0], step):
-            yield ps[start:start + step].to(device)
+        for part in _padded_slices(ps.shape[0], ps.shape[1]):
+            yield ps[part].to(device)
         return
     ps = list(ps)
     lengths = [int(p.shape[0]) for p in ps]
@@ -262,9 +269,7 @@ def _quantized_chunks(ps, batch_size: int, device) -> Iterator[object]:
         if ps.values.dim() != 3:
             raise ValueError(f"quantized `ps` has values of shape {list(ps.values.shape)}; expected padded "
                              "[n_passages, sequence_length, dim] or packed (quantize a list of passages)")
-        step = max(1, _CHUNK_TOKENS // max(int(ps.values.shape[1]), 1))
-        for start in range(0, ps.values.shape[0], step):
-            part = slice(start, start + step)
+        for part in _padded_slices(ps.values.shape[0], ps.values.shape[1]):
             yield flash_maxsim.QuantizedDocuments(
                 ps.values[part], ps.scales[part], None, None if ps.mask is None else ps.mask[part],
                 None, ps.kind).to(device)

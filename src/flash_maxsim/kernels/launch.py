@@ -97,8 +97,9 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True)
     if _on_cuda_cores(dtype):
-        # run 7 sweep (PyLate-shaped 64x512 32x180): 4 warps 2.50 ms vs 8 warps 4.1; 1x20k 4.2 vs 4.5
-        cfg.update(num_warps=4, num_stages=2)
+        # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
+        # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
+        cfg["num_stages"] = 2
     elif "ROWS" not in FORWARD_OVERRIDES and not save_aux and d <= 256:
         # compute-bound scoring (many query-token rows, many documents): 256-row tiles on 8 warps read each
         # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
