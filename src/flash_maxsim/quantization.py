@@ -5,7 +5,9 @@
 bf16), converted to the queries' dtype (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied
 on tensor cores with fp32 accumulation, and the similarity column ``j`` is scaled by ``scale[t, j]``. Queries
 stay in their own dtype (not quantised): the per-token scale then makes the only error the rounding of the
-document vectors themselves.
+document vectors themselves. (The kernels can also quantise each query token the same way and multiply int8 x int8
+on tensor cores, scaling after the exact integer sum: ``kernels.launch.int8_products`` says when; off until
+measured. The score is then that of the dequantised query against the dequantised documents.)
 
 Index bytes per token: d (values) + 4 (scale), against 2*d for bf16: 0.516x at d=128.
 """
@@ -85,7 +87,7 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
     """Quantise documents (``[B, Ld, d]``, ``[Nq, K, Ld, d]``, a list of ``[Ld_i, d]`` or PackedDocuments) with a
     per-token symmetric scale. ``dtype``: ``"int8"`` anywhere, ``"fp8"`` (e4m3) where PyTorch has it; scoring fp8
     on a GPU needs native fp8 support (compute capability >= 8.9), checked when scoring."""
-    storage = _storage_dtype(dtype)
+    _storage_dtype(dtype)          # an unknown or unsupported dtype fails before any work
     offsets = max_length = None
     if isinstance(documents, (list, tuple)) and not isinstance(documents, PackedDocuments) and \
             not (len(documents) in (2, 3) and all(isinstance(v, torch.Tensor) for v in documents[:2])
@@ -100,7 +102,16 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
         documents = values
     if not isinstance(documents, torch.Tensor) or not documents.is_floating_point():
         raise TypeError("`documents` must be a floating-point tensor, a list of them or PackedDocuments")
-    x = documents.detach().to(torch.float32)
+    values, scales = quantize_tokens(documents, dtype)
+    mask = None if documents_mask is None else documents_mask
+    return QuantizedDocuments(values, scales, offsets, mask, max_length, dtype)
+
+
+def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: every vector ``x[..., :]`` as ``scales[...] * values[..., :]``, one symmetric fp32 scale
+    per vector (0 for a zero vector, whose values are then 0)."""
+    storage = _storage_dtype(dtype)
+    x = x.detach().to(torch.float32)
     qmax = _QMAX[dtype]
     scales = x.abs().amax(-1) / qmax
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -109,5 +120,4 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
         values = scaled.round().clamp_(-127, 127).to(storage)
     else:
         values = scaled.clamp_(-qmax, qmax).to(storage)
-    mask = None if documents_mask is None else documents_mask
-    return QuantizedDocuments(values, scales, offsets, mask, max_length, dtype)
+    return values, scales

@@ -64,6 +64,69 @@ def test_other_layouts_and_smooth(backend, layout):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout, d, smooth, masked", [
+    ("padded", 40, None, "exclude"), ("padded", 40, None, "zero"), ("padded", 96, 0.2, "zero"),
+    ("padded", 300, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
+    ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero")])
+def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch):
+    """int8 x int8 tensor-core products (kernels.launch.int8_products): each query token is quantised like a
+    document token, the integer sums are exact, and the score is the float64 MaxSim of the dequantised query
+    against the dequantised index, in every layout, both masked modes, hard and smooth, with d chunked (300),
+    documents sliced over several programs (as long ones are), a zero query token, masked query tokens and an all-masked document."""
+    from flash_maxsim.kernels import launch
+    from flash_maxsim.quantization import quantize_tokens
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q = torch.randn(3, 5, d, generator=g)
+    q[1, 2] = 0                                              # a zero query token: scale 0
+    qm = torch.rand(3, 5, generator=g) > 0.2
+    qm[:, 0] = True
+    if layout == "candidates":
+        docs = torch.randn(3, 2, 9, d, generator=g)
+        dm = torch.rand(3, 2, 9, generator=g) > 0.3
+        dm[0, 1] = False
+    elif layout == "ragged":
+        docs = [torch.randn(n, d, generator=g) for n in (9, 0, 1, 70)]
+        dm = [torch.rand(n, generator=g) > 0.3 for n in (9, 0, 1, 70)]
+        dm[2][:] = False
+    else:
+        n_docs, length = (4, 9) if layout == "padded" else (2, 200)
+        docs = torch.randn(n_docs, length, d, generator=g)
+        dm = torch.rand(n_docs, length, generator=g) > 0.3
+        dm[1] = False
+    to_dev = (lambda x: [t.to(dev) for t in x]) if isinstance(docs, list) else (lambda x: x.to(dev))
+    index = fm.quantize(to_dev(docs), to_dev(dm))
+    q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
+
+    seen = []
+    real_forward = launch.forward
+
+    def spy(queries, *args, **kwargs):
+        seen.append((queries.dtype, kwargs.get("query_scales", args[10] if len(args) > 10 else None) is not None))
+        return real_forward(queries, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "forward", spy)
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", True)
+    if layout == "sliced":
+        # what long documents with few programs get: each document's tokens split over programs (here 2 slices
+        # of 128 tokens), the per-row states combined afterwards
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
+    with force_backend("triton"):
+        got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
+    assert seen == [(torch.int8, True)]
+    (plan,) = launch._FORWARD_PLANS.values()
+    assert plan.meta["HAS_QSCALES"] and plan.meta["INT_DOT"] and plan.row_out == (layout == "sliced")
+    values, scales = quantize_tokens(q)
+    assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
+    dequantized_q = values.double() * scales.double()[..., None]
+    ref = reference.maxsim(dequantized_q, index.dequantize(torch.float64), qm, to_dev(dm), masked=masked,
+                           smooth_tau=smooth)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_index_object_bytes_device_and_save_load():
     d = torch.randn(4, 16, 128, dtype=torch.bfloat16)
     qd = fm.quantize(d)

@@ -30,14 +30,20 @@ def _similarity_tile(
     q_tile, Q, q_row_off, row_ok, D, d_row_off, col_ok, d_cols0,
     stride_qd, stride_dd, d,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    INT_DOT: tl.constexpr,
 ):
-    """S[rows, cols] = <q_row, d_col>, fp32 accumulation. With one d-chunk the query tile is already loaded."""
+    """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``: int8 x int8 products summed exactly in int32,
+    then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With one d-chunk the
+    query tile is already loaded."""
     if D_CHUNKS == 1:
         dmask = col_ok[:, None] & (d_cols0[None, :] < d)
         d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, mask=dmask, other=0.0)
         # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents)
         d_tile = d_tile.to(q_tile.dtype)
-        s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
+        if INT_DOT:
+            s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
+        else:
+            s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
     else:
         s = tl.zeros((q_row_off.shape[0], d_row_off.shape[0]), dtype=tl.float32)
         for kc in range(D_CHUNKS):
@@ -49,27 +55,34 @@ def _similarity_tile(
             if UPCAST:
                 qk = qk.to(tl.float32)
             dk = dk.to(qk.dtype)
-            s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
+            if INT_DOT:
+                s += tl.dot(qk, tl.trans(dk), out_dtype=tl.int32).to(tl.float32)
+            else:
+                s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
     return s
 
 
 @triton.jit
 def _fold_tile(
-    m, acc, arg, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+    m, acc, arg, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
     stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_DMASK: tl.constexpr, ZERO_MASKED: tl.constexpr,
-    SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_QSCALES: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Folds the document tokens ``n`` into the running max / log-sum-exp state of every row. ``PARTIAL``: the
     tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
-                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, HAS_QSCALES)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
         sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
         s = s * sc[None, :]
+    if HAS_QSCALES and SMOOTH:
+        # quantized queries: the hard max applies the (non-negative) row scale once at the end; the smooth max
+        # needs the true similarities in its exponentials
+        s = s * q_scale[:, None]
     if HAS_DMASK:
         dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
         valid = in_range & (dm != 0)
@@ -99,7 +112,7 @@ def _fold_tile(
 
 @triton.jit
 def maxsim_fwd_kernel(
-    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES,
     Nq, Lq, d, Ld, K,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
@@ -110,7 +123,7 @@ def maxsim_fwd_kernel(
     stride_an, stride_ac, stride_al,
     stride_rs, stride_rn, stride_rc, stride_rl,
     tau, inv_tau_log2e,
-    HAS_SCALES: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    HAS_SCALES: tl.constexpr, HAS_QSCALES: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
@@ -138,6 +151,10 @@ def maxsim_fwd_kernel(
         qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
         row_ok = row_ok & (qm != 0)
     q_row_off = qidx * stride_qn + tok * stride_ql
+    q_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    if HAS_QSCALES:
+        # int8 queries (one scale per token, >= 0) for integer tensor-core products; laid out like the query mask
+        q_scale = tl.load(QSCALES + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=1.0)
 
     if RAGGED:
         start = tl.load(OFFSETS + t).to(tl.int64)
@@ -172,14 +189,16 @@ def maxsim_fwd_kernel(
     for n0 in range(n_lo, n_full, BLOCK_N):
         m, acc, arg = _fold_tile(
             m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-            stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            False, HAS_SCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            False, HAS_SCALES, HAS_QSCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
     for n0 in range(n_full, n_hi, BLOCK_N):
         m, acc, arg = _fold_tile(
             m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-            stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            True, HAS_SCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            True, HAS_SCALES, HAS_QSCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
 
+    if HAS_QSCALES and not SMOOTH:
+        m = tl.where(m == float("-inf"), m, m * q_scale)
     if ROW_OUT:
         # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)
         rptr = OUT + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl

@@ -98,6 +98,32 @@ def loss_batch(generator, *, batch=4, processes=1, query_length=6, doc_length=9,
     raise AssertionError(f"no tie-free draw in {max_draws} attempts")
 
 
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def logit_rounding(scores, query_lengths, loss, document_length: int) -> float:
+    """Largest change of any logit ``z = score [/ query length] / temperature`` that fp32 rounding of the smooth max
+    can cause, summed over two evaluations (the library's logsumexp and flash_maxsim's online one): each rounds once
+    per summed term (``document_length`` exponentials, one score per query token) plus the log, the length
+    normalization and the temperature division, each a relative ``u = 2^-24`` of at most the largest logit.
+    ``scores`` are what reached flash_maxsim (rows = queries)."""
+    z = scores.detach().double().abs()
+    if getattr(loss, "normalize_scores", False):
+        z = z / query_lengths.double().reshape(-1, *([1] * (z.dim() - 1)))
+    steps = 2 * (document_length + int(query_lengths.max()) + 3)
+    return steps * FP32_UNIT_ROUNDOFF * (z.max().item() / loss.temperature)
+
+
+def loss_rounding_bound(loss_value: torch.Tensor, max_logit_change: float) -> float:
+    """|change of the loss| when every logit moves by at most ``max_logit_change``. Each colpali-engine loss is a mean
+    of cross-entropy (-log p) or softplus terms of logit differences; their gradient's 1-norm is at most
+    2 (1 - p) <= 2 min(1, term), resp. 2 sigmoid <= 2 min(1, softplus), and the mean of min(1, .) is at most
+    min(1, mean) (concavity). So the loss moves by at most 2 min(1, loss) max|dz|: RELATIVE to a small loss, the
+    change is 2 max|dz|, however small the loss (a well-separated batch at temperature 0.02 has logits in the
+    hundreds and a loss near 1e-3: one fp32 ulp of its logits is then ~1e-5 of the loss)."""
+    return 2 * min(1.0, abs(loss_value.item())) * max_logit_change
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want| (0 when both are all zero)."""
     scale = want.detach().abs().max().item()
@@ -114,13 +140,16 @@ class Calls:
 
         self.flash = 0
         self.flash_dtypes: List[torch.dtype] = []
+        self.flash_outputs: List[torch.Tensor] = []
         self.library_einsum = 0
         real_maxsim, real_einsum = flash_maxsim.maxsim, torch.einsum
 
         def maxsim(queries, *args, **kwargs):
             self.flash += 1
             self.flash_dtypes.append(queries.dtype)
-            return real_maxsim(queries, *args, **kwargs)
+            out = real_maxsim(queries, *args, **kwargs)
+            self.flash_outputs.append(out.detach())
+            return out
 
         def einsum(*args, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("colpali_engine"):
@@ -133,6 +162,7 @@ class Calls:
     def reset(self):
         self.flash, self.library_einsum = 0, 0
         self.flash_dtypes.clear()
+        self.flash_outputs.clear()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ from flash_maxsim.integrations import colpali as flash_colpali
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
-from colpali_cases import GRAD_RTOL, LOSS_RTOL, grid_values, loss_batch, relative_error
+from colpali_cases import (GRAD_RTOL, LOSS_RTOL, grid_values, logit_rounding, loss_batch, loss_rounding_bound,
+                           relative_error)
 
 pytestmark = [
     pytest.mark.interpret,
@@ -48,9 +49,19 @@ def test_losses_through_the_triton_kernels(name, smooth, negatives, processes, g
     calls.reset()
     got_value, got_grads = _loss_and_grads(loss, batch, patched=True)
     assert calls.flash > 0 and calls.library_einsum == 0
-    assert relative_error(got_value, want_value) <= LOSS_RTOL
+    if not smooth:
+        # grid data: every similarity and hard-max score is exact in fp32, so only the backward sums round
+        loss_tolerance, grad_rtol = LOSS_RTOL * abs(want_value.item()), GRAD_RTOL
+    else:
+        # the smooth max rounds differently in the library and in the kernel: the loss and its softmax weights
+        # move by what a few ulps of the (temperature-scaled) logits imply, not by a fixed fraction of the loss
+        dz = logit_rounding(torch.cat([s.flatten(1) for s in calls.flash_outputs], 1),
+                            batch.masks["q"].sum(1), loss, document_length=7)
+        loss_tolerance = max(LOSS_RTOL * abs(want_value.item()), loss_rounding_bound(want_value, dz))
+        grad_rtol = GRAD_RTOL + 2 * dz          # every softmax/sigmoid weight moves by at most 2 max|dz| relative
+    assert abs(got_value.item() - want_value.item()) <= loss_tolerance
     for key in want_grads:
-        assert relative_error(got_grads[key], want_grads[key]) <= GRAD_RTOL, key
+        assert relative_error(got_grads[key], want_grads[key]) <= grad_rtol, key
 
 
 def test_score_multi_vector_through_the_triton_kernels(generator):
