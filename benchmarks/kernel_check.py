@@ -268,14 +268,14 @@ def fp32_table(dev):
 
 INT8_SWEEP = [{}, {"BLOCK_N": 128}, {"num_stages": 4}, {"BLOCK_N": 128, "num_stages": 4}, {"num_warps": 8},
               {"BLOCK_N": 32}, {"PEEL_TAIL": False},
-              # int8 x int8 tensor-core products, the query quantised per token on the host (launch.int8_products)
+              # int8 x int8 tensor-core products, the query quantised per token in the kernel (launch.int8_products)
               {"INT8_PRODUCTS": True}, {"INT8_PRODUCTS": True, "BLOCK_N": 128},
               {"INT8_PRODUCTS": True, "num_stages": 4}, {"INT8_PRODUCTS": True, "num_warps": 8}]
 
 
 def int8_table(dev):
     """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor;
-    the INT8_PRODUCTS variants quantise the query and multiply int8 x int8 (their time includes that quantisation)."""
+    the INT8_PRODUCTS variants quantise the query in the kernel and multiply int8 x int8."""
     for Nq, B, Lq, Ld in [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]:
         q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
         index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))

@@ -1,6 +1,6 @@
 """One medium case of every kernel path, run under `compute-sanitizer --tool memcheck` on the device:
 forward + backward (hard/smooth, masks, in-batch, per-query candidates, ragged/packed, long query split,
-document-token split) and quantized scoring. Prints one line per case; exit 1 on a wrong result."""
+document-token split) and quantized scoring (also with int8 x int8 products). Prints one line per case; exit 1 on a wrong result."""
 
 import sys
 
@@ -51,6 +51,17 @@ def main():
         check("document-token split", fm.maxsim(q2, few[0]), reference.maxsim(q2, few[0]), 1e-5)
         qd = fm.quantize(d.detach(), dm)
         check("int8", fm.maxsim(q.detach(), qd, qm), reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
+        # int8 x int8 products (off by default until measured): the query quantised in the kernel
+        from flash_maxsim.kernels import launch
+        from flash_maxsim.quantization import quantize_tokens
+        values, scales = quantize_tokens(q.detach())
+        launch.FORWARD_OVERRIDES["INT8_PRODUCTS"] = True
+        try:
+            got = fm.maxsim(q.detach(), qd, qm)
+        finally:
+            launch.FORWARD_OVERRIDES.pop("INT8_PRODUCTS")
+        check("int8 x int8", got, reference.maxsim(values.double() * scales.double()[..., None],
+                                                  qd.dequantize(torch.float64), qm, dm), 1e-5)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

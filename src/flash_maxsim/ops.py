@@ -19,7 +19,6 @@ from torch import Tensor
 
 from . import _cpu
 from ._layout import Problem
-from .quantization import quantize_tokens
 from .kernels import launch
 
 _LIB = "flash_maxsim"
@@ -73,11 +72,8 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
                 torch.full(aux_shape, fill, dtype=_aux_dtype(smooth_tau), device=queries.device))
     if _use_triton(queries):
-        query_scales = None
-        if not save_aux and launch.int8_products(documents, document_scales):
-            queries, query_scales = quantize_tokens(queries, "int8")
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
-                              zero_masked, smooth_tau, save_aux, max_length, document_scales, query_scales)
+                              zero_masked, smooth_tau, save_aux, max_length, document_scales)
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
         return _cpu.forward(p, zero_masked, smooth_tau, save_aux)

@@ -5,9 +5,9 @@
 bf16), converted to the queries' dtype (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied
 on tensor cores with fp32 accumulation, and the similarity column ``j`` is scaled by ``scale[t, j]``. Queries
 stay in their own dtype (not quantised): the per-token scale then makes the only error the rounding of the
-document vectors themselves. (The kernels can also quantise each query token the same way and multiply int8 x int8
-on tensor cores, scaling after the exact integer sum: ``kernels.launch.int8_products`` says when; off until
-measured. The score is then that of the dequantised query against the dequantised documents.)
+document vectors themselves. (The forward kernel can also quantise each query token the same way, in registers,
+and multiply int8 x int8 on tensor cores, scaling after the exact integer sum: ``kernels.launch.int8_products``
+says when; off until measured. The score is then that of the dequantised query against the dequantised index.)
 
 Index bytes per token: d (values) + 4 (scale), against 2*d for bf16: 0.516x at d=128.
 """

@@ -66,13 +66,14 @@ def test_other_layouts_and_smooth(backend, layout):
 
 @pytest.mark.parametrize("layout, d, smooth, masked", [
     ("padded", 40, None, "exclude"), ("padded", 40, None, "zero"), ("padded", 96, 0.2, "zero"),
-    ("padded", 300, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
+    ("padded", 256, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
     ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero")])
 def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch):
-    """int8 x int8 tensor-core products (kernels.launch.int8_products): each query token is quantised like a
-    document token, the integer sums are exact, and the score is the float64 MaxSim of the dequantised query
-    against the dequantised index, in every layout, both masked modes, hard and smooth, with d chunked (300),
-    documents sliced over several programs (as long ones are), a zero query token, masked query tokens and an all-masked document."""
+    """int8 x int8 tensor-core products (kernels.launch.int8_products): the kernel quantises each query token
+    exactly as quantization.quantize_tokens quantises a document token (ties included), the integer sums are
+    exact, and the score is the float64 MaxSim of the dequantised query against the dequantised index: in every
+    layout, both masked modes, hard and smooth, d up to 256, documents sliced over several programs (as long ones
+    are), a zero query token, masked query tokens and an all-masked document."""
     from flash_maxsim.kernels import launch
     from flash_maxsim.quantization import quantize_tokens
     if not _backend_ok("triton"):
@@ -81,6 +82,8 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q = torch.randn(3, 5, d, generator=g)
     q[1, 2] = 0                                              # a zero query token: scale 0
+    q[0, 1] = 0
+    q[0, 1, :3] = torch.tensor([127.0, 0.5, 1.5])           # scale exactly 1: two exact ties, rounded to even
     qm = torch.rand(3, 5, generator=g) > 0.2
     qm[:, 0] = True
     if layout == "candidates":
@@ -100,14 +103,6 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     index = fm.quantize(to_dev(docs), to_dev(dm))
     q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
 
-    seen = []
-    real_forward = launch.forward
-
-    def spy(queries, *args, **kwargs):
-        seen.append((queries.dtype, kwargs.get("query_scales", args[10] if len(args) > 10 else None) is not None))
-        return real_forward(queries, *args, **kwargs)
-
-    monkeypatch.setattr(launch, "forward", spy)
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", True)
     if layout == "sliced":
@@ -116,15 +111,26 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
-    assert seen == [(torch.int8, True)]
     (plan,) = launch._FORWARD_PLANS.values()
-    assert plan.meta["HAS_QSCALES"] and plan.meta["INT_DOT"] and plan.row_out == (layout == "sliced")
+    assert plan.meta["QUANTIZE_Q"] and plan.row_out == (layout == "sliced")
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
+    assert values[0, 1, :3].tolist() == [127, 0, 2]
     dequantized_q = values.double() * scales.double()[..., None]
     ref = reference.maxsim(dequantized_q, index.dequantize(torch.float64), qm, to_dev(dm), masked=masked,
                            smooth_tau=smooth)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
+    from flash_maxsim.kernels import launch
+    index = fm.quantize(torch.randn(2, 3, 300))
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", True)
+    assert launch.int8_products(index.values, index.scales, 256, save_aux=False)
+    assert not launch.int8_products(index.values, index.scales, 300, save_aux=False)
+    assert not launch.int8_products(index.values.float(), None, 256, save_aux=False)
+    monkeypatch.delitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS")
+    assert not launch.int8_products(index.values, index.scales, 256, save_aux=False)   # off until measured
 
 
 def test_index_object_bytes_device_and_save_load():

@@ -66,7 +66,7 @@ def _similarity_tile(
 def _fold_tile(
     m, acc, arg, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
     stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_QSCALES: tl.constexpr, HAS_DMASK: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -74,12 +74,12 @@ def _fold_tile(
     tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
-                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, HAS_QSCALES)
+                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
         sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
         s = s * sc[None, :]
-    if HAS_QSCALES and SMOOTH:
+    if QUANTIZE_Q and SMOOTH:
         # quantized queries: the hard max applies the (non-negative) row scale once at the end; the smooth max
         # needs the true similarities in its exponentials
         s = s * q_scale[:, None]
@@ -112,7 +112,7 @@ def _fold_tile(
 
 @triton.jit
 def maxsim_fwd_kernel(
-    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES,
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
     Nq, Lq, d, Ld, K,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
@@ -123,7 +123,7 @@ def maxsim_fwd_kernel(
     stride_an, stride_ac, stride_al,
     stride_rs, stride_rn, stride_rc, stride_rl,
     tau, inv_tau_log2e,
-    HAS_SCALES: tl.constexpr, HAS_QSCALES: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, ROW_OUT: tl.constexpr, PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
@@ -151,10 +151,6 @@ def maxsim_fwd_kernel(
         qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
         row_ok = row_ok & (qm != 0)
     q_row_off = qidx * stride_qn + tok * stride_ql
-    q_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    if HAS_QSCALES:
-        # int8 queries (one scale per token, >= 0) for integer tensor-core products; laid out like the query mask
-        q_scale = tl.load(QSCALES + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=1.0)
 
     if RAGGED:
         start = tl.load(OFFSETS + t).to(tl.int64)
@@ -173,6 +169,18 @@ def maxsim_fwd_kernel(
                          mask=row_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
         if UPCAST:
             q_tile = q_tile.to(tl.float32)
+    q_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    if QUANTIZE_Q:
+        # int8 x int8 products (int8 documents, D_CHUNKS == 1): each query token quantised here exactly as
+        # quantization.quantize_tokens does it (scale = amax / 127, IEEE division, round half to even through
+        # the 1.5 * 2^23 trick, valid for |y| <= 127), so the score is that of the dequantised query
+        qf = q_tile.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        q_scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 127.0, tl.float32))
+        y = tl.math.div_rn(qf, tl.where(q_scale > 0, q_scale, 1.0)[:, None])
+        y = (y + 12582912.0) - 12582912.0
+        q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+        q_scale = tl.where(row_ok, q_scale, 1.0)
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
@@ -190,14 +198,14 @@ def maxsim_fwd_kernel(
         m, acc, arg = _fold_tile(
             m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
             q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            False, HAS_SCALES, HAS_QSCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+            False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
     for n0 in range(n_full, n_hi, BLOCK_N):
         m, acc, arg = _fold_tile(
             m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
             q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            True, HAS_SCALES, HAS_QSCALES, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
+            True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
 
-    if HAS_QSCALES and not SMOOTH:
+    if QUANTIZE_Q and not SMOOTH:
         m = tl.where(m == float("-inf"), m, m * q_scale)
     if ROW_OUT:
         # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)

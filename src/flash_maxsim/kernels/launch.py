@@ -143,18 +143,19 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
-def int8_products(documents: torch.Tensor, document_scales) -> bool:
-    """Whether int8 documents are scored with int8 x int8 tensor-core products against queries quantised per token
-    on the fly (ops.forward_impl does that) rather than converted to the queries' dtype in registers. Off until
-    measured on the device: the on-chip conversion bounds today's int8 path (docs/perf-notes.md, session 3), and
-    quantising the query keeps the fidelity budget (benchmarks/results/quantized-query-fidelity.json). Tuning
-    sweeps switch it on with ``FORWARD_OVERRIDES["INT8_PRODUCTS"] = True``."""
-    return (document_scales is not None and documents.dtype == torch.int8
+def int8_products(documents: torch.Tensor, document_scales, d: int, save_aux: bool) -> bool:
+    """Whether int8 documents are scored with int8 x int8 tensor-core products, each query token quantised in the
+    kernel like a document token, rather than converted to the queries' dtype in registers. Only with the whole
+    feature axis in one tile (d <= 256), scoring only. Off until measured on the device: the on-chip conversion
+    bounds today's int8 path (docs/perf-notes.md, session 3), and quantising the query keeps the fidelity budget
+    (benchmarks/results/quantized-query-fidelity.json). Tuning sweeps switch it on with
+    ``FORWARD_OVERRIDES["INT8_PRODUCTS"] = True``."""
+    return (document_scales is not None and documents.dtype == torch.int8 and d <= 256 and not save_aux
             and bool(FORWARD_OVERRIDES.get("INT8_PRODUCTS", False)))
 
 
 def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-                  save_aux, max_len, document_scales, query_scales):
+                  save_aux, max_len, document_scales):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
@@ -163,9 +164,10 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if document_scales is not None and queries.is_cuda and documents.dtype != torch.int8 \
             and torch.cuda.get_device_capability(queries.device) < (8, 9):
         raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
-    # int8 queries: tile like bf16 ones (both on tensor cores)
+    quantize_q = int8_products(documents, document_scales, d, save_aux)
+    # queries quantised in the kernel: tiled like bf16 ones (both on tensor cores)
     cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux,
-                         torch.bfloat16 if query_scales is not None else queries.dtype)
+                         torch.bfloat16 if quantize_q else queries.dtype)
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
         n_ds = 1
@@ -195,9 +197,6 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         sr = (0, 0, 0, 0)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
-    if query_scales is not None:
-        # quantized queries: the scales are read with the query mask's strides (both contiguous [Nq, Lq])
-        sqmn, sqml = query_scales.stride(0), query_scales.stride(1)
     # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
     sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
     tau = float(smooth_tau) if smooth else 1.0
@@ -213,12 +212,12 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         tau, math.log2(math.e) / tau,
     )
     plan.meta = dict(
-        HAS_SCALES=document_scales is not None, HAS_QSCALES=query_scales is not None, ROW_OUT=row_out, PAIRED=bool(candidates),
+        HAS_SCALES=document_scales is not None, QUANTIZE_Q=quantize_q, ROW_OUT=row_out, PAIRED=bool(candidates),
         RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None, HAS_DMASK=documents_mask is not None,
         ZERO_MASKED=bool(zero_masked), SMOOTH=smooth, SAVE_AUX=bool(save_aux) and not row_out,
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=interpreting() and queries.dtype == torch.bfloat16,
-        PRECISION=cfg.get("PRECISION", _precision(queries.dtype)), INT_DOT=queries.dtype == torch.int8,
+        PRECISION=cfg.get("PRECISION", _precision(queries.dtype)), 
         PEEL_TAIL=cfg["PEEL_TAIL"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     plan.meta_key = tuple(plan.meta.items())
@@ -226,9 +225,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
 
 
 def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-            save_aux, max_len=None, document_scales=None, query_scales=None):
-    """Scores ``[Nq, C]`` fp32 and ``aux`` (``[Nq, C, Lq]`` when ``save_aux``, else empty). ``query_scales``
-    (fp32 ``[Nq, Lq]``, with int8 ``queries`` and int8 documents): Q = query_scales * queries."""
+            save_aux, max_len=None, document_scales=None):
+    """Scores ``[Nq, C]`` fp32 and ``aux`` (``[Nq, C, Lq]`` when ``save_aux``, else empty)."""
     device = queries.device
     if max_len is None:
         max_len = documents.shape[1]
@@ -236,16 +234,10 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
         document_scales = document_scales.contiguous()
         if documents_mask is not None:
             documents_mask = documents_mask.contiguous()
-    if query_scales is not None:
-        if queries.dtype != torch.int8 or documents.dtype != torch.int8 or save_aux:
-            raise TypeError("query_scales go with int8 queries, int8 documents and no backward")
-        query_scales = query_scales.contiguous()
-        if queries_mask is not None:
-            queries_mask = queries_mask.contiguous()
     key = (queries.shape, queries.stride(), queries.dtype, documents.shape, documents.stride(), documents.dtype,
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
-           None if offsets is None else offsets.shape[0], document_scales is None, query_scales is None,
+           None if offsets is None else offsets.shape[0], document_scales is None,
            candidates, zero_masked, smooth_tau, save_aux, max_len, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(FORWARD_OVERRIDES.items()) if FORWARD_OVERRIDES else None)
@@ -255,7 +247,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
             _FORWARD_PLANS.clear()
         plan = _FORWARD_PLANS[key] = _forward_plan(queries, documents, queries_mask, documents_mask, offsets,
                                                    candidates, zero_masked, smooth_tau, save_aux, max_len,
-                                                   document_scales, query_scales)
+                                                   document_scales)
     scores = torch.empty(plan.scores_shape, dtype=torch.float32, device=device)
     aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device)
     dummy = _dummy(queries)
@@ -264,8 +256,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                documents_mask if documents_mask is not None else dummy,
                offsets if offsets is not None else dummy,
                scores, aux,
-               document_scales if document_scales is not None else dummy,
-               query_scales if query_scales is not None else dummy)
+               document_scales if document_scales is not None else dummy)
     _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key)
     if plan.row_out:
         return _combine_token_slices(scores, aux, queries_mask, smooth_tau), torch.empty((0, 0, 0), dtype=torch.int32, device=device)

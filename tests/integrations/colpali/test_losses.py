@@ -120,6 +120,17 @@ def test_zero_padding_counts_as_similarity_zero(generator):
     assert relative_error(smooth, (0.1 * torch.logsumexp(s / 0.1, -1)).sum(-1)) <= 1e-6
 
 
+class _RecordingCrossEntropy(torch.nn.CrossEntropyLoss):
+    """The library's cross-entropy, keeping the first logits it is given."""
+
+    logits = None
+
+    def forward(self, logits, target):
+        if self.logits is None:
+            self.logits = logits.detach()
+        return super().forward(logits, target)
+
+
 def test_autocast_inputs_reach_flash_in_the_autocast_dtype(generator, calls):
     """Under autocast the library's einsum runs in bf16; the patched loss casts for flash_maxsim the same way
     (fp32 inputs would otherwise take the slow fp32 kernel). Both then compute the loss of the bf16-rounded
@@ -131,12 +142,14 @@ def test_autocast_inputs_reach_flash_in_the_autocast_dtype(generator, calls):
     batch = loss_batch(generator, values=lambda shape, g: torch.randn(*shape, generator=g))
     args = [batch.padded(batch.leaves())[k] for k in batch.raw]
     loss = losses.ColbertLoss(normalize_scores=False)
+    loss.ce_loss = _RecordingCrossEntropy()          # every version ends in ce_loss(scores / temperature, ...)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        library_scores = loss._inbatch_scores(*args)
+        loss(*args)
+        library_logits = loss.ce_loss.logits
         with flash_colpali.enabled():
             got = loss(*args)
     assert calls.flash_dtypes == [torch.bfloat16]
-    assert library_scores.dtype == torch.bfloat16  # the comparison below is about bf16 arithmetic in the library
+    assert library_logits.dtype == torch.bfloat16  # the comparison below is about bf16 arithmetic in the library
 
     q, d = (a.detach().bfloat16().double() for a in args)
     sims = torch.einsum("bnd,csd->bcns", q, d)
@@ -151,8 +164,10 @@ def test_autocast_inputs_reach_flash_in_the_autocast_dtype(generator, calls):
     logit_err = (score_err + u_fp32 * scores.abs()) / loss.temperature
     assert (got.double() - exact).abs() <= 2 * logit_err.max()
 
-    # the library: fp32 dots rounded to bf16, bf16 maxima summed and rounded to bf16
+    # the library: fp32 dots rounded to bf16, bf16 maxima summed and rounded to bf16, divided in bf16
     sim_err = u_bf16 * sims.abs() + 1.01 * dim * u_fp32 * abs_products
-    library_err = sim_err.amax(-1).sum(-1) * (1 + u_bf16) + u_bf16 * scores.abs()
-    assert ((library_scores.double() - scores).abs() <= library_err).all()
-    assert not torch.equal(library_scores.double(), scores)  # the library really rounds: the bound is not vacuous
+    score_err = sim_err.amax(-1).sum(-1) * (1 + u_bf16) + u_bf16 * scores.abs()
+    exact_logits = scores / loss.temperature
+    library_err = (score_err / loss.temperature) * (1 + u_bf16) + u_bf16 * exact_logits.abs() * (1 + u_bf16)
+    assert ((library_logits.double() - exact_logits).abs() <= library_err).all()
+    assert not torch.equal(library_logits.double(), exact_logits)  # the library really rounds: not vacuous
