@@ -34,8 +34,9 @@ def test_exact_tie_sends_the_whole_gradient_to_the_first_token(backend, device, 
     g = torch.Generator().manual_seed(seed)
     Ld, d = 80, 4
     queries = torch.randn(1, 1, d, generator=g)
-    documents = torch.randn(1, Ld, d, generator=g) * 0.1
-    documents[0, first] = documents[0, second] = queries[0, 0] * 3    # both reach the (unique) maximum
+    queries = queries / queries.norm()                                  # |q| = 1
+    documents = (torch.randn(1, Ld, d, generator=g) * 0.1).clamp(-0.45, 0.45)   # |q . d_j| <= |d_j| < 1
+    documents[0, first] = documents[0, second] = queries[0, 0] * 3    # both reach the (unique) maximum, ~3
     _, dq, dd = _grads(backend, queries.to(device), documents.to(device))
     expected = torch.zeros(Ld, d)
     expected[first] = queries[0, 0]
