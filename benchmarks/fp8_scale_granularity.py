@@ -11,7 +11,6 @@ Needs the embedding cache written by ``retrieval_fidelity.py`` (CPU only; a few 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -42,29 +41,16 @@ def fake_quantize(values: torch.Tensor, group: int, kind: str) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", action="append", required=True, help="a BEIR folder (repeatable)")
-    parser.add_argument("--cache", default=".cache/fidelity", help="retrieval_fidelity.py's embedding cache")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    args = rf.emulation_arguments(__doc__.split("\n\n")[0], argv)
     results = []
     for folder in map(Path, args.data):
-        doc_ids, _, query_ids, _, qrels = rf.load_beir(folder)
-        digest = rf.file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
-        cached = rf.find_cache(Path(args.cache), folder.name, digest)
-        if cached is None:
-            raise SystemExit(f"no embedding cache for {folder} under {args.cache}: run retrieval_fidelity.py first")
-        _, queries, values, lengths = rf.load_cache(cached)
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = lengths.cumsum(0)
-        max_len = int(lengths.max())
-        queries = queries.float()
-        exact, _ = rf.score_corpus(rf.reference_scorer, queries,
-                                   flash_maxsim.PackedDocuments(values.float(), offsets, max_len), "cpu")
+        data = rf.load_cached_dataset(folder, Path(args.cache))
         for kind, group in VARIANTS:
-            documents = flash_maxsim.PackedDocuments(fake_quantize(values, group, kind), offsets, max_len)
-            c = rf.compare(flash_maxsim.maxsim(queries, documents).double(), exact, doc_ids, query_ids, qrels)
-            d = values.shape[1]
+            documents = flash_maxsim.PackedDocuments(fake_quantize(data.values, group, kind), data.offsets,
+                                                     data.max_len)
+            c = rf.compare(flash_maxsim.maxsim(data.queries, documents).double(), data.exact, data.doc_ids,
+                           data.query_ids, data.qrels)
+            d = data.values.shape[1]
             row = {"dataset": folder.name, "kind": kind, "elements_per_scale": group,
                    "index_bytes_vs_bf16": (d + 4 * (d // group)) / (2 * d),
                    "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],

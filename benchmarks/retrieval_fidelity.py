@@ -31,7 +31,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -169,6 +169,43 @@ def find_cache(cache_root: Path, dataset: str, data_digest: str) -> Optional[Pat
         if m.get("data_digest") == data_digest and m.get("format") == CACHE_FORMAT:
             candidates.append((manifest.stat().st_mtime, manifest.parent))
     return max(candidates)[1] if candidates else None
+
+
+class CachedDataset(NamedTuple):
+    """One dataset's cached embeddings, with the float64 reference scores: what the emulation experiments
+    (fp8_scale_granularity.py, quantized_query_fidelity.py) start from."""
+    doc_ids: List[str]
+    query_ids: List[str]
+    qrels: Dict[str, Dict[str, int]]
+    queries: torch.Tensor            # [Nq, Lq, d] float32
+    values: torch.Tensor             # [sum Ld, d] float32, packed
+    offsets: torch.Tensor            # [B + 1] int64
+    max_len: int
+    exact: torch.Tensor              # [Nq, B] float64 reference scores
+
+
+def load_cached_dataset(folder: Path, cache: Path) -> CachedDataset:
+    doc_ids, _, query_ids, _, qrels = load_beir(folder)
+    digest = file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
+    cached = find_cache(cache, folder.name, digest)
+    if cached is None:
+        raise SystemExit(f"no embedding cache for {folder} under {cache}: run retrieval_fidelity.py first")
+    _, queries, values, lengths = load_cache(cached)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    max_len = int(lengths.max())
+    queries, values = queries.float(), values.float()
+    exact, _ = score_corpus(reference_scorer, queries, flash_maxsim.PackedDocuments(values, offsets, max_len), "cpu")
+    return CachedDataset(doc_ids, query_ids, qrels, queries, values, offsets, max_len, exact)
+
+
+def emulation_arguments(description: str, argv=None) -> argparse.Namespace:
+    """--data (repeatable), --cache, --out: the emulation experiments' command line."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data", action="append", required=True, help="a BEIR folder (repeatable)")
+    parser.add_argument("--cache", default=".cache/fidelity", help="retrieval_fidelity.py's embedding cache")
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
 
 
 # -------------------------------------------------------------------------------------------------- scoring
