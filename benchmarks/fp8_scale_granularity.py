@@ -11,7 +11,6 @@ Needs the embedding cache written by ``retrieval_fidelity.py`` (CPU only; a few 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -40,26 +39,20 @@ def fake_quantize(values: torch.Tensor, group: int, kind: str) -> torch.Tensor:
     return q.view(n, d)
 
 
+def variant_rows(dataset: str, data: rf.CachedDataset):
+    d = data.values.shape[1]
+    for kind, group in VARIANTS:
+        documents = flash_maxsim.PackedDocuments(fake_quantize(data.values, group, kind), data.offsets, data.max_len)
+        c = rf.compare(flash_maxsim.maxsim(data.queries, documents).double(), data.exact, data.doc_ids,
+                       data.query_ids, data.qrels)
+        yield {"dataset": dataset, "kind": kind, "elements_per_scale": group,
+               "index_bytes_vs_bf16": (d + 4 * (d // group)) / (2 * d),
+               "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],
+               "max_abs_error": c["abs_error"]["max"]}
+
+
 def main(argv=None) -> int:
-    args = rf.emulation_arguments(__doc__.split("\n\n")[0], argv)
-    results = []
-    for folder in map(Path, args.data):
-        data = rf.load_cached_dataset(folder, Path(args.cache))
-        for kind, group in VARIANTS:
-            documents = flash_maxsim.PackedDocuments(fake_quantize(data.values, group, kind), data.offsets,
-                                                     data.max_len)
-            c = rf.compare(flash_maxsim.maxsim(data.queries, documents).double(), data.exact, data.doc_ids,
-                           data.query_ids, data.qrels)
-            d = data.values.shape[1]
-            row = {"dataset": folder.name, "kind": kind, "elements_per_scale": group,
-                   "index_bytes_vs_bf16": (d + 4 * (d // group)) / (2 * d),
-                   "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],
-                   "max_abs_error": c["abs_error"]["max"]}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return rf.run_emulation(__doc__.split("\n\n")[0], variant_rows, argv)
 
 
 if __name__ == "__main__":

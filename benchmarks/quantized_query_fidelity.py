@@ -14,7 +14,6 @@ Needs the embedding cache written by ``retrieval_fidelity.py`` (CPU only; a few 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -38,24 +37,19 @@ def quantize_like(values: torch.Tensor, kind: str) -> torch.Tensor:
     return fake_quantize(flat, flat.shape[1], kind).view(values.shape)
 
 
+def pairing_rows(dataset: str, data: rf.CachedDataset):
+    for query_kind, document_kind in PAIRINGS:
+        documents = flash_maxsim.PackedDocuments(quantize_like(data.values, document_kind), data.offsets,
+                                                 data.max_len)
+        scores = flash_maxsim.maxsim(quantize_like(data.queries, query_kind), documents).double()
+        c = rf.compare(scores, data.exact, data.doc_ids, data.query_ids, data.qrels)
+        yield {"dataset": dataset, "queries": query_kind, "documents": document_kind,
+               "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],
+               "max_abs_error": c["abs_error"]["max"]}
+
+
 def main(argv=None) -> int:
-    args = rf.emulation_arguments(__doc__.split("\n\n")[0], argv)
-    results = []
-    for folder in map(Path, args.data):
-        data = rf.load_cached_dataset(folder, Path(args.cache))
-        for query_kind, document_kind in PAIRINGS:
-            documents = flash_maxsim.PackedDocuments(quantize_like(data.values, document_kind), data.offsets,
-                                                     data.max_len)
-            scores = flash_maxsim.maxsim(quantize_like(data.queries, query_kind), documents).double()
-            c = rf.compare(scores, data.exact, data.doc_ids, data.query_ids, data.qrels)
-            row = {"dataset": folder.name, "queries": query_kind, "documents": document_kind,
-                   "delta_ndcg@10": c["delta_ndcg@10"], "top10_overlap_mean": c["top10_overlap_mean"],
-                   "max_abs_error": c["abs_error"]["max"]}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return rf.run_emulation(__doc__.split("\n\n")[0], pairing_rows, argv)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -199,13 +199,22 @@ def load_cached_dataset(folder: Path, cache: Path) -> CachedDataset:
     return CachedDataset(doc_ids, query_ids, qrels, queries, values, offsets, max_len, exact)
 
 
-def emulation_arguments(description: str, argv=None) -> argparse.Namespace:
-    """--data (repeatable), --cache, --out: the emulation experiments' command line."""
+def run_emulation(description: str, rows: Callable[[str, CachedDataset], Iterator[dict]], argv=None) -> int:
+    """The emulation experiments' driver: ``--data`` (repeatable), ``--cache``, ``--out``; ``rows(dataset name,
+    data)`` yields one result per variant, printed as it comes and written as one JSON list to ``--out``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", action="append", required=True, help="a BEIR folder (repeatable)")
     parser.add_argument("--cache", default=".cache/fidelity", help="retrieval_fidelity.py's embedding cache")
     parser.add_argument("--out", help="write the results as JSON here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    results = []
+    for folder in map(Path, args.data):
+        for row in rows(folder.name, load_cached_dataset(folder, Path(args.cache))):
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
 
 
 # -------------------------------------------------------------------------------------------------- scoring

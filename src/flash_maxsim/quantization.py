@@ -103,8 +103,7 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
     if not isinstance(documents, torch.Tensor) or not documents.is_floating_point():
         raise TypeError("`documents` must be a floating-point tensor, a list of them or PackedDocuments")
     values, scales = quantize_tokens(documents, dtype)
-    mask = None if documents_mask is None else documents_mask
-    return QuantizedDocuments(values, scales, offsets, mask, max_length, dtype)
+    return QuantizedDocuments(values, scales, offsets, documents_mask, max_length, dtype)
 
 
 def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,9 @@ def _similarity_tile(
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     INT_DOT: tl.constexpr,
 ):
-    """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``: int8 x int8 products summed exactly in int32,
-    then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With one d-chunk the
-    query tile is already loaded."""
+    """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only: int8 x int8 products summed
+    exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
+    one d-chunk the query tile is already loaded."""
     if D_CHUNKS == 1:
         dmask = col_ok[:, None] & (d_cols0[None, :] < d)
         d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, mask=dmask, other=0.0)
@@ -55,10 +55,7 @@ def _similarity_tile(
             if UPCAST:
                 qk = qk.to(tl.float32)
             dk = dk.to(qk.dtype)
-            if INT_DOT:
-                s += tl.dot(qk, tl.trans(dk), out_dtype=tl.int32).to(tl.float32)
-            else:
-                s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
+            s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
     return s
 
 

@@ -217,7 +217,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         ZERO_MASKED=bool(zero_masked), SMOOTH=smooth, SAVE_AUX=bool(save_aux) and not row_out,
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=interpreting() and queries.dtype == torch.bfloat16,
-        PRECISION=cfg.get("PRECISION", _precision(queries.dtype)), 
+        PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
         PEEL_TAIL=cfg["PEEL_TAIL"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     plan.meta_key = tuple(plan.meta.items())

@@ -42,8 +42,9 @@ def _loss_and_grads(loss, batch, patched):
     ("ColbertPairwiseNegativeCELoss", True, 2, 3),
 ])
 def test_losses_through_the_triton_kernels(name, smooth, negatives, processes, generator, calls):
-    batch = loss_batch(generator, batch=3, processes=processes, negatives=negatives, query_length=5, doc_length=7,
-                       neg_length=6, left_padded_docs=processes > 1)
+    doc_length = 7
+    batch = loss_batch(generator, batch=3, processes=processes, negatives=negatives, query_length=5,
+                       doc_length=doc_length, neg_length=6, left_padded_docs=processes > 1)
     loss = getattr(losses, name)(use_smooth_max=smooth, pos_aware_negative_filtering=True)
     want_value, want_grads = _loss_and_grads(loss, batch, patched=False)
     calls.reset()
@@ -56,7 +57,7 @@ def test_losses_through_the_triton_kernels(name, smooth, negatives, processes, g
         # the smooth max rounds differently in the library and in the kernel: the loss and its softmax weights
         # move by what a few ulps of the (temperature-scaled) logits imply, not by a fixed fraction of the loss
         dz = logit_rounding(torch.cat([s.flatten(1) for s in calls.flash_outputs], 1),
-                            batch.masks["q"].sum(1), loss, document_length=7)
+                            batch.masks["q"].sum(1), loss, document_length=doc_length)
         loss_tolerance = max(LOSS_RTOL * abs(want_value.item()), loss_rounding_bound(want_value, dz))
         grad_rtol = GRAD_RTOL + 2 * dz          # every softmax/sigmoid weight moves by at most 2 max|dz| relative
     assert abs(got_value.item() - want_value.item()) <= loss_tolerance
