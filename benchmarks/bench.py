@@ -804,8 +804,8 @@ FIDELITY_MACS = 3e10
 
 
 def ours_compressed_variant(kind: str) -> CompressedVariant:
-    """flash_maxsim on an int8 / fp8 index from ``flash_maxsim.quantize`` (queries unchanged), or, for
-    ``kind="exact"``, on the unquantised documents."""
+    """flash_maxsim on an int8 / fp8 index from ``flash_maxsim.quantize`` (an int8 index with d <= 256 quantises
+    the queries too: docs/semantics.md), or, for ``kind="exact"``, on the unquantised documents."""
     fm = _flash_maxsim()
     if kind == "exact":
         return CompressedVariant("maxsim(queries, documents)", prepare=lambda q, d: (q, d), call=fm.maxsim,
@@ -813,8 +813,10 @@ def ours_compressed_variant(kind: str) -> CompressedVariant:
                                  dequantized=lambda inputs, n: (inputs[0].double(), inputs[1][:n].double()))
 
     def dequantized(inputs, n_docs):
-        qd = inputs[1]
-        return inputs[0].double(), qd.values[:n_docs].double() * qd.scales[:n_docs, :, None].double()
+        from flash_maxsim.quantization import queries_as_scored
+        q, qd = inputs
+        return (queries_as_scored(q, qd).double(),
+                qd.values[:n_docs].double() * qd.scales[:n_docs, :, None].double())
 
     return CompressedVariant(f"maxsim(queries, quantize(documents, dtype={kind!r}))",
                              prepare=lambda q, d: (q, fm.quantize(d, dtype=kind)), call=fm.maxsim,

@@ -135,11 +135,12 @@ def forward_sweep(fn, variants):
     return res
 
 
-BANDWIDTH_ROWS = [(1, 10000, 32, 300, 128), (1, 10000, 32, 1030, 128), (1, 1000, 32, 1024, 128),
-                  (1, 10000, 32, 180, 384), (1, 5000, 31, 257, 96)]
+BANDWIDTH_ROWS = [(1, 1000, 32, 300, 128), (1, 10000, 32, 300, 128), (1, 10000, 32, 1030, 128),
+                  (1, 1000, 32, 1024, 128), (1, 10000, 32, 180, 384), (1, 5000, 31, 257, 96)]
 # session 3's first sweep also tried BLOCK_N 128 (2 or 3 stages), BLOCK_N 32 with 4 stages, 4 stages, 8 warps:
 # all slower on the first two rows (docs/perf-notes.md)
-BANDWIDTH_SWEEP = [{}, {"PEEL_TAIL": True}, {"PEEL_TAIL": False}]
+# session 5: several documents per program (one loop over all their tiles), score written by a branch or a mask
+BANDWIDTH_SWEEP = [{}, {"DOCS": 2}, {"DOCS": 4}]
 
 
 def bandwidth_rows(dev, rounds=3):
@@ -152,10 +153,15 @@ def bandwidth_rows(dev, rounds=3):
     for Nq, B, Lq, Ld, d in BANDWIDTH_ROWS:
         q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
         docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
+        # right padding, as real batches have: what a per-tile mask load costs on top of the vectors
+        lengths = torch.randint(Ld // 2, Ld + 1, (B, 1), device=dev)
+        mask = torch.arange(Ld, device=dev)[None, :] < lengths
         entries = {}
         for _ in range(rounds):
             for t, v in forward_sweep(lambda: fm.maxsim(q, docs), BANDWIDTH_SWEEP):
                 entries.setdefault(f"ours {v}", []).append(t)
+            for t, v in forward_sweep(lambda: fm.maxsim(q, docs, documents_mask=mask), BANDWIDTH_SWEEP):
+                entries.setdefault(f"ours masked {v}", []).append(t)
             for peer in peers:
                 for name, fn in peer.forward_variants(q, docs):
                     entries.setdefault(f"{peer.label} {name}", []).append(bench(lambda: fn(q, docs)))
@@ -266,16 +272,35 @@ def fp32_table(dev):
         print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res), flush=True)
 
 
-INT8_SWEEP = [{}, {"BLOCK_N": 128}, {"num_stages": 4}, {"BLOCK_N": 128, "num_stages": 4}, {"num_warps": 8},
-              {"BLOCK_N": 32}, {"PEEL_TAIL": False},
-              # int8 x int8 tensor-core products, the query quantised per token in the kernel (launch.int8_products)
-              {"INT8_PRODUCTS": True}, {"INT8_PRODUCTS": True, "BLOCK_N": 128},
-              {"INT8_PRODUCTS": True, "num_stages": 4}, {"INT8_PRODUCTS": True, "num_warps": 8}]
+# session 4's sweep also tried, converting int8 to bf16 in registers: 128-token tiles, 4 stages (both), 8 warps,
+# 32-token tiles, no peeled tail: all within 0.85-1.1x of the default; session 5's: 4 documents per program, the
+# scales loaded one tile ahead (docs/perf-notes.md, session 5)
+_CONVERT = {"INT8_PRODUCTS": False}
+INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
+              # int8 x int8 tensor-core products (the default), the query quantised per token in the kernel
+              {"DOCS": 1}, {"DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64}, {"num_stages": 4}]
+
+def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "DOCS")):
+    """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which
+    tensor-core instructions its PTX uses (Hopper's asynchronous wgmma or the older synchronous mma)."""
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for ck in cache[0].values():
+            try:
+                ptx = ck.asm.get("ptx", "")
+                consts = getattr(ck.src, "constants", {})
+                named = {kernel.arg_names[k[0] if isinstance(k, tuple) else k]: v for k, v in consts.items()}
+                named = {k: v for k, v in named.items() if k in names}
+                md = ck.metadata
+                print(f"compiled {named} warps={md.num_warps} stages={md.num_stages} regs={ck.n_regs} "
+                      f"spills={ck.n_spills} wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')}",
+                      flush=True)
+            except Exception as exc:      # another Triton's internals: say so, keep going
+                print(f"compiled: no report ({type(exc).__name__}: {exc})", flush=True)
 
 
 def int8_table(dev):
     """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor;
-    the INT8_PRODUCTS variants quantise the query in the kernel and multiply int8 x int8."""
+    the default quantises the query in the kernel and multiplies int8 x int8, INT8_PRODUCTS=False converts."""
     for Nq, B, Lq, Ld in [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]:
         q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
         index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))
@@ -312,8 +337,26 @@ def host_table(dev):
         "torch.empty": (lambda: torch.empty((1, 1000), device=dev)),
         "einsum amax sum (eager)": (lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1)),
     }
+    try:
+        from _peers import PEER_KEYS, load_peers
+        for peer in load_peers(PEER_KEYS)[0]:
+            for name, fn in peer.forward_variants(q, docs):
+                rows[f"{peer.label} {name}"] = (lambda fn=fn: fn(q, docs))
+    except Exception as exc:       # peers not installed: ours only
+        print(f"host: no peers ({type(exc).__name__}: {exc})")
     for name, fn in rows.items():
         print(f"host {name:28s} {per_call_us(fn):7.1f} us/call host, {bench(fn) * 1e3:7.1f} us do_bench", flush=True)
+    # the GPU time alone: the same call captured in a CUDA graph and replayed (no Python, no launch overhead)
+    for name in ("maxsim 1x1k 32x300", *[k for k in rows if k.startswith(("late", "flash-maxsim"))]):
+        try:
+            graph = torch.cuda.CUDAGraph()
+            rows[name]()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                rows[name]()
+            print(f"host {name + ' (graph)':28s} {bench(graph.replay) * 1e3:7.1f} us do_bench", flush=True)
+        except Exception as exc:
+            print(f"host {name}: no CUDA graph ({type(exc).__name__})", flush=True)
     qt = torch.randn(128, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dt = torch.randn(128, 300, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.arange(128, device=dev)
@@ -380,6 +423,8 @@ def main():
         host_table(dev)
     if args.int8:
         int8_table(dev)
+        from flash_maxsim.kernels.forward import maxsim_fwd_kernel
+        compiled_report(maxsim_fwd_kernel)
     if args.fp32:
         fp32_table(dev)
     if args.bandwidth:

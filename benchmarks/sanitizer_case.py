@@ -50,18 +50,20 @@ def main():
         q2 = torch.randn(2, 32, 128, device=dev, dtype=bf)
         check("document-token split", fm.maxsim(q2, few[0]), reference.maxsim(q2, few[0]), 1e-5)
         qd = fm.quantize(d.detach(), dm)
-        check("int8", fm.maxsim(q.detach(), qd, qm), reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
-        # int8 x int8 products (off by default until measured): the query quantised in the kernel
+        # int8 x int8 products, the query quantised in the kernel (the default at d <= 256), then the conversion path
         from flash_maxsim.kernels import launch
-        from flash_maxsim.quantization import quantize_tokens
-        values, scales = quantize_tokens(q.detach())
-        launch.FORWARD_OVERRIDES["INT8_PRODUCTS"] = True
+        from flash_maxsim.quantization import queries_as_scored
+        check("int8 x int8", fm.maxsim(q.detach(), qd, qm),
+              reference.maxsim(queries_as_scored(q.detach(), qd).double(), qd.dequantize(torch.float64), qm, dm), 1e-5)
+        launch.FORWARD_OVERRIDES["INT8_PRODUCTS"] = False
         try:
             got = fm.maxsim(q.detach(), qd, qm)
         finally:
             launch.FORWARD_OVERRIDES.pop("INT8_PRODUCTS")
-        check("int8 x int8", got, reference.maxsim(values.double() * scales.double()[..., None],
-                                                  qd.dequantize(torch.float64), qm, dm), 1e-5)
+        check("int8 converted", got, reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
+        index = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf))     # 4 documents per program
+        check("int8 grouped", fm.maxsim(q2[:1], index),
+              reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -74,6 +74,11 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
                               zero_masked, smooth_tau, save_aux, max_length, document_scales)
+    if launch.int8_products(documents, document_scales, queries.shape[-1], save_aux):
+        # what the kernels score against an int8 index: the query quantised per token like a document token
+        from .quantization import dequantized_queries
+        p = _problem(dequantized_queries(queries), documents, queries_mask, documents_mask, offsets, max_length,
+                     candidates, document_scales)
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
         return _cpu.forward(p, zero_masked, smooth_tau, save_aux)

@@ -1,13 +1,15 @@
 """Compressed document index: per-token symmetric INT8 (or FP8 e4m3) vectors with one fp32 scale per token.
 
 ``D[t, j] ~= scale[t, j] * values[t, j]`` with ``scale = max_k |D[t, j, k]| / QMAX`` (QMAX = 127 for int8,
-448 for e4m3). Scoring dequantises in on-chip memory: a document tile is loaded as int8/fp8 (half the bytes of
-bf16), converted to the queries' dtype (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied
-on tensor cores with fp32 accumulation, and the similarity column ``j`` is scaled by ``scale[t, j]``. Queries
-stay in their own dtype (not quantised): the per-token scale then makes the only error the rounding of the
-document vectors themselves. (The forward kernel can also quantise each query token the same way, in registers,
-and multiply int8 x int8 on tensor cores, scaling after the exact integer sum: ``kernels.launch.int8_products``
-says when; off until measured. The score is then that of the dequantised query against the dequantised index.)
+448 for e4m3). Scoring (docs/semantics.md, "A compressed index"):
+
+- int8 with d <= 256: each query token is quantised the same way (in registers, by the forward kernel), the
+  tensor cores multiply int8 x int8 into exact int32 sums, and similarity (i, j) is scaled by the query token's
+  and the document token's scales. The score is that of the dequantised query against the dequantised index; the
+  CPU path computes the same (``kernels.launch.int8_products`` says when).
+- fp8, and int8 with d > 256: a document tile is loaded as int8/fp8 (half the bytes of bf16), converted to the
+  queries' dtype (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied on tensor cores
+  with fp32 accumulation, and column ``j`` is scaled by ``scale[t, j]``; the query is not quantised.
 
 Index bytes per token: d (values) + 4 (scale), against 2*d for bf16: 0.516x at d=128.
 """
@@ -112,7 +114,9 @@ def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor,
     storage = _storage_dtype(dtype)
     x = x.detach().to(torch.float32)
     qmax = _QMAX[dtype]
-    scales = x.abs().amax(-1) / qmax
+    # divided by a tensor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor, which is
+    # one rounding away from the IEEE quotient that the CPU, and the kernel quantising queries, compute
+    scales = x.abs().amax(-1) / torch.tensor(qmax, dtype=torch.float32, device=x.device)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = x / safe[..., None]
     if dtype == "int8":
@@ -120,3 +124,19 @@ def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor,
     else:
         values = scaled.clamp_(-qmax, qmax).to(storage)
     return values, scales
+
+
+def dequantized_queries(queries: torch.Tensor) -> torch.Tensor:
+    """``queries`` quantised per token exactly like document tokens (int8, :func:`quantize_tokens`), then
+    dequantised to fp32: the queries that an int8 index with d <= 256 scores (docs/semantics.md)."""
+    values, scales = quantize_tokens(queries)
+    return values.float() * scales[..., None]
+
+
+def queries_as_scored(queries: torch.Tensor, index: QuantizedDocuments) -> torch.Tensor:
+    """The queries whose MaxSim against ``index.dequantize()`` ``flash_maxsim.maxsim(queries, index)`` computes:
+    :func:`dequantized_queries` for an int8 index with d <= 256, the queries themselves otherwise."""
+    from .kernels import launch
+    if launch.int8_products(index.values, index.scales, queries.shape[-1], save_aux=False):
+        return dequantized_queries(queries)
+    return queries

@@ -135,3 +135,45 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.3])
+def test_several_documents_per_program(overrides, smooth_tau, monkeypatch):
+    """DOCS documents per program stream all their tiles in one loop and write each score at its document's last
+    tile: 7 documents over programs of 3 (the last program has one), 50 tokens in 16-token tiles (a partial last
+    tile), an all-masked document, a second query block and a query longer than one row tile."""
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    overrides.FORWARD_OVERRIDES.update(DOCS=3, BLOCK_N=16, ROWS=16)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(16)
+    q = torch.randn(3, 20, 16, generator=g).to(dev)
+    docs = torch.randn(7, 50, 16, generator=g).to(dev)
+    qmask = (torch.rand(3, 20, generator=g) > 0.2).to(dev)
+    dmask = (torch.rand(7, 50, generator=g) > 0.4).to(dev)
+    dmask[4] = False
+    with force_backend("triton"), torch.no_grad():
+        for masked in ("exclude", "zero"):
+            got = fm.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
+            want = reference.maxsim(q.double(), docs.double(), qmask, dmask, masked=masked, smooth_tau=smooth_tau)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    plans = list(launch._FORWARD_PLANS.values())
+    # 3 groups of documents x 3 queries x 2 row tiles
+    assert plans and all(p.meta["DOCS"] == 3 and p.grid == (3 * 3 * 2,) for p in plans)
+
+
+def test_several_documents_per_program_only_for_padded_scoring(overrides, monkeypatch):
+    """Per-query candidates, ragged documents and a forward that saves the backward's state keep one document
+    per program (their per-document state is not the flattened loop's)."""
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    overrides.FORWARD_OVERRIDES.update(DOCS=4)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 5, 16, generator=g).to(dev)
+    with force_backend("triton"):
+        with torch.no_grad():
+            fm.maxsim(q, torch.randn(2, 3, 9, 16, generator=g).to(dev))
+            fm.maxsim(q, [torch.randn(n, 16, generator=g).to(dev) for n in (3, 9)])
+        fm.maxsim(q, torch.randn(3, 9, 16, generator=g).to(dev).requires_grad_()).sum().backward()
+    plans = list(launch._FORWARD_PLANS.values())
+    assert len(plans) == 3 and all(p.meta["DOCS"] == 1 for p in plans)
+

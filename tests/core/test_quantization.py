@@ -8,6 +8,7 @@ import torch
 import flash_maxsim as fm
 from flash_maxsim import reference
 from flash_maxsim.ops import force_backend
+from flash_maxsim.quantization import queries_as_scored
 
 KINDS = ["int8", "fp8"]
 BACKENDS = ["torch", "triton"]
@@ -37,7 +38,7 @@ def test_padded_scores_equal_reference_on_dequantized_index(backend, kind, maske
     qd = fm.quantize(d, dm, dtype=kind)
     with force_backend(backend):
         got = fm.maxsim(q, qd, masked=masked)
-    ref = reference.maxsim(q.double(), qd.dequantize(torch.float64), None, dm, masked=masked)
+    ref = reference.maxsim(queries_as_scored(q, qd).double(), qd.dequantize(torch.float64), None, dm, masked=masked)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     # and the index is a faithful approximation of the original documents
     exact = reference.maxsim(q.double(), d.double(), None, dm, masked=masked)
@@ -60,20 +61,22 @@ def test_other_layouts_and_smooth(backend, layout):
     qd = fm.quantize(docs)
     with force_backend(backend):
         got = fm.maxsim(q, qd, smooth_tau=0.2)
-    ref = reference.maxsim(q.double(), qd.dequantize(torch.float64), smooth_tau=0.2)
+    ref = reference.maxsim(queries_as_scored(q, qd).double(), qd.dequantize(torch.float64), smooth_tau=0.2)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout, d, smooth, masked", [
     ("padded", 40, None, "exclude"), ("padded", 40, None, "zero"), ("padded", 96, 0.2, "zero"),
     ("padded", 256, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
-    ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero")])
+    ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero"), ("grouped", 40, None, "zero"),
+    ("grouped", 64, 0.2, "exclude")])
 def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch, seed):
     """int8 x int8 tensor-core products (kernels.launch.int8_products): the kernel quantises each query token
     exactly as quantization.quantize_tokens quantises a document token (ties included), the integer sums are
     exact, and the score is the float64 MaxSim of the dequantised query against the dequantised index: in every
     layout, both masked modes, hard and smooth, d up to 256, documents sliced over several programs (as long ones
-    are), a zero query token, masked query tokens and an all-masked document."""
+    are), several documents per program (as bandwidth-bound scoring streams them), a zero query token, masked
+    query tokens and an all-masked document."""
     from flash_maxsim.kernels import launch
     from flash_maxsim.quantization import quantize_tokens
     if not _backend_ok("triton"):
@@ -95,7 +98,7 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         dm = [torch.rand(n, generator=g) > 0.3 for n in (9, 0, 1, 70)]
         dm[2][:] = False
     else:
-        n_docs, length = (4, 9) if layout == "padded" else (2, 200)
+        n_docs, length = {"padded": (4, 9), "sliced": (2, 200), "grouped": (5, 70)}[layout]
         docs = torch.randn(n_docs, length, d, generator=g)
         dm = torch.rand(n_docs, length, generator=g) > 0.3
         dm[1] = False
@@ -104,15 +107,18 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
 
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", True)
     if layout == "sliced":
         # what long documents with few programs get: each document's tokens split over programs (here 2 slices
         # of 128 tokens), the per-row states combined afterwards
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
+    if layout == "grouped":
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
     assert plan.meta["QUANTIZE_Q"] and plan.row_out == (layout == "sliced")
+    # padded: 15 query tokens, so bandwidth-bound by the launch rules, which then stream 4 documents per program
+    assert plan.meta["DOCS"] == {"grouped": 3, "padded": 4}.get(layout, 1)
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
     assert values[0, 1, :3].tolist() == [127, 0, 2]
@@ -120,17 +126,38 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     ref = reference.maxsim(dequantized_q, index.dequantize(torch.float64), qm, to_dev(dm), masked=masked,
                            smooth_tau=smooth)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    with force_backend("torch"):     # the CPU path computes the same function
+        torch.testing.assert_close(fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth).double(), ref,
+                                   rtol=1e-5, atol=1e-4)
 
 
 def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
     from flash_maxsim.kernels import launch
     index = fm.quantize(torch.randn(2, 3, 300))
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", True)
     assert launch.int8_products(index.values, index.scales, 256, save_aux=False)
     assert not launch.int8_products(index.values, index.scales, 300, save_aux=False)
     assert not launch.int8_products(index.values.float(), None, 256, save_aux=False)
-    monkeypatch.delitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS")
-    assert not launch.int8_products(index.values, index.scales, 256, save_aux=False)   # off until measured
+    q = torch.randn(2, 4, 300)
+    assert queries_as_scored(q, index) is q                                  # d > 256: the query as it is
+    small = fm.quantize(torch.randn(2, 3, 64))
+    q = torch.randn(2, 4, 64)
+    assert not torch.equal(queries_as_scored(q, small), q)                  # quantised, within its rounding
+    assert (queries_as_scored(q, small) - q).abs().max() <= q.abs().amax() / 254 * 1.0001
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", False)   # the tuning hook's comparison path
+    assert not launch.int8_products(small.values, small.scales, 64, save_aux=False)
+    assert queries_as_scored(q, small) is q
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantization_is_the_same_on_cuda_and_cpu(seed):
+    """The scales are IEEE quotients on both devices (PyTorch's CUDA division by a Python number multiplies by
+    its reciprocal instead, one rounding off now and then), so an index, and the query the kernel quantises, do
+    not depend on where they were made."""
+    from flash_maxsim.quantization import quantize_tokens
+    x = torch.randn(20000, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    values, scales = quantize_tokens(x)
+    values_gpu, scales_gpu = quantize_tokens(x.cuda())
+    assert torch.equal(scales_gpu.cpu(), scales) and torch.equal(values_gpu.cpu(), values)
 
 
 def test_index_object_bytes_device_and_save_load():

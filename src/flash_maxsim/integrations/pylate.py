@@ -313,7 +313,8 @@ def _make_rerank(original: Callable) -> Callable:
     """``pylate.rank.rerank`` that also takes a compressed index: any query's candidates may be
     ``flash_maxsim.quantize(candidates)`` (int8, or fp8 on GPUs that have it). Those are scored in the fused kernel
     as PyLate scores its zero-padded candidates (one zero token, scale 0, after each candidate shorter than the
-    query's longest: ``masked="zero"`` semantics), so the scores are PyLate's on the dequantised candidates.
+    query's longest: ``masked="zero"`` semantics), so the scores are PyLate's on the dequantised candidates (and,
+    for int8 with d <= 256, the query quantised per token: ``flash_maxsim.quantization.queries_as_scored``).
     Other queries go through PyLate's own ``rerank`` (whose scoring is flash_maxsim's while enabled)."""
 
     def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None):

@@ -108,9 +108,24 @@ def _fold_tile(
 
 
 @triton.jit
+def _row_values(m, acc, q_scale, tau, QUANTIZE_Q: tl.constexpr, SMOOTH: tl.constexpr):
+    """Each row's final max or smooth max (0 where no document token was valid), whether it had a valid token,
+    and the running max with the quantised query's row scale applied (hard max)."""
+    if QUANTIZE_Q and not SMOOTH:
+        m = tl.where(m == float("-inf"), m, m * q_scale)
+    if SMOOTH:
+        has_any = acc > 0.0
+        row_val = tl.where(has_any, tl.where(m == float("-inf"), 0.0, m) + tau * tl.log(acc), 0.0)
+    else:
+        has_any = m != float("-inf")
+        row_val = tl.where(has_any, m, 0.0)
+    return m, row_val, has_any
+
+
+@triton.jit
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
-    Nq, Lq, d, Ld, K,
+    Nq, Lq, d, Ld, K, n_docs,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
     stride_dt, stride_dl, stride_dd,
@@ -124,6 +139,7 @@ def maxsim_fwd_kernel(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -184,53 +200,78 @@ def maxsim_fwd_kernel(
     arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)    # hard max: first arg-max so far
 
     ncols = tl.arange(0, BLOCK_N)
-    n_lo = ds * tokens_per_dsplit
-    n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
-    # whole tiles first, without the per-element range test; then the one partial tile at the end, if any
-    if PEEL_TAIL:
-        n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
-    else:
-        n_full = n_lo
-    for n0 in range(n_lo, n_full, BLOCK_N):
-        m, acc, arg = _fold_tile(
-            m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
-    for n0 in range(n_full, n_hi, BLOCK_N):
-        m, acc, arg = _fold_tile(
-            m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-            True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION)
-
-    if QUANTIZE_Q and not SMOOTH:
-        m = tl.where(m == float("-inf"), m, m * q_scale)
-    if ROW_OUT:
-        # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)
-        rptr = OUT + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl
-        rmask = (qidx < Nq) & (tok < Lq)
-        tl.store(rptr, tl.where(row_ok, m, float("-inf")), mask=rmask)
-        if SMOOTH:
-            tl.store(AUX + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl,
-                     tl.where(row_ok, acc, 0.0), mask=rmask)
-    else:
-        if SMOOTH:
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            has_any = acc > 0.0
-            row_val = tl.where(has_any, m_safe + tau * tl.log(acc), 0.0)
-            aux = tl.where(has_any & row_ok, row_val, float("inf"))
-        else:
-            row_val = tl.where(m == float("-inf"), 0.0, m)
-            if SAVE_AUX:
-                if ZERO_MASKED:
-                    if HAS_DMASK:
-                        # the max may sit on a masked (constant-zero) token: no gradient flows there
-                        hit = tl.load(DMASK + m_base + arg.to(tl.int64) * stride_dml, mask=row_ok & (arg >= 0), other=0)
-                        arg = tl.where(hit != 0, arg, -1)
-                aux = tl.where(row_ok, arg, -1)
-        row_val = tl.where(row_ok, row_val, 0.0)
-
-        per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
+    if DOCS > 1:
+        # DOCS padded documents per program (bandwidth-bound scoring): one loop over all their tiles, so that
+        # loads stream on across document boundaries and the query tile is loaded (and quantised) once
+        # (store masks test the documents' bound through the queries' one: the interpreter rejects block & scalar)
         qs = q0 + tl.arange(0, QPB)
-        tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
-        if SAVE_AUX:
-            tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux, mask=(qidx < Nq) & (tok < Lq))
+        tiles = tl.cdiv(Ld, BLOCK_N)
+        for i in range(0, DOCS * tiles):
+            j = i // tiles
+            n0 = (i - j * tiles) * BLOCK_N
+            tj = t * DOCS + j
+            # past the last document nothing is in range: every load is masked off
+            n_end = tl.where(tj < n_docs, Ld, 0)
+            m, acc, arg = _fold_tile(
+                m, acc, arg, n0 + ncols, n_end, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
+                SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
+                PRECISION)
+            if n0 + BLOCK_N >= Ld:
+                # the document's last tile: its score, then a fresh state for the next one
+                _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+                per_query = tl.sum(tl.reshape(tl.where(row_ok, row_val, 0.0), (QPB, TOKB)), 1)
+                tl.store(OUT + split * stride_os + qs * stride_on + tj * stride_oc, per_query,
+                         mask=qs < tl.where(tj < n_docs, Nq, 0))
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        n_lo = ds * tokens_per_dsplit
+        n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
+        # whole tiles first, without the per-element range test; then the one partial tile at the end, if any
+        if PEEL_TAIL:
+            n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
+        else:
+            n_full = n_lo
+        for n0 in range(n_lo, n_full, BLOCK_N):
+            m, acc, arg = _fold_tile(
+                m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+                m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
+                PRECISION)
+        for n0 in range(n_full, n_hi, BLOCK_N):
+            m, acc, arg = _fold_tile(
+                m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+                m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
+                PRECISION)
+
+        m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+        if ROW_OUT:
+            # per-row partial state of this token slice, combined on the host side (hard: max; smooth: m and sum)
+            rptr = OUT + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl
+            rmask = (qidx < Nq) & (tok < Lq)
+            tl.store(rptr, tl.where(row_ok, m, float("-inf")), mask=rmask)
+            if SMOOTH:
+                tl.store(AUX + ds * stride_rs + qidx * stride_rn + col * stride_rc + tok * stride_rl,
+                         tl.where(row_ok, acc, 0.0), mask=rmask)
+        else:
+            if SMOOTH:
+                aux = tl.where(has_any & row_ok, row_val, float("inf"))
+            else:
+                if SAVE_AUX:
+                    if ZERO_MASKED:
+                        if HAS_DMASK:
+                            # the max may sit on a masked (constant-zero) token: no gradient flows there
+                            hit = tl.load(DMASK + m_base + arg.to(tl.int64) * stride_dml, mask=row_ok & (arg >= 0),
+                                          other=0)
+                            arg = tl.where(hit != 0, arg, -1)
+                    aux = tl.where(row_ok, arg, -1)
+            row_val = tl.where(row_ok, row_val, 0.0)
+
+            per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
+            qs = q0 + tl.arange(0, QPB)
+            tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
+            if SAVE_AUX:
+                tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux,
+                         mask=(qidx < Nq) & (tok < Lq))

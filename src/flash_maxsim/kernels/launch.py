@@ -88,14 +88,15 @@ def _row_tiling(Nq, Lq, paired, rows):
     return tokb, qpb
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16):
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, int8_products=False):
     tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
     block_d, d_chunks = feature_tiling_for(d, dtype)
     # measured on H200 (docs/perf-notes.md, runs 2 and 6): 4 warps; 3 stages since the peeled last tile (run 6:
     # 512x1024 0.222 vs 0.267 ms, d=384 0.376 vs 0.416), 2 for d < 128 (d=96: 0.092 vs 0.097);
     # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
-               num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True)
+               num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
+               DOCS=1)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -105,8 +106,13 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
         tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
         if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
-            cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
-            tokb, qpb = tokb2, qpb2
+            if int8_products:
+                # integer products: 128 rows x 128-token tiles on 4 warps instead (session 5, 1x10k 1024x1024:
+                # 5.89 vs 7.95 ms with 256 rows x 64 tokens)
+                cfg.update(BLOCK_N=128)
+            else:
+                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
+                tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
@@ -118,6 +124,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # vs 0.1908 ms, peers 0.186; 32x1030 0.603 vs 0.608; d=96 0.089 vs 0.092). d=384 (128-token tiles, chunked
         # features) streams better peeled: 0.377 vs 0.385
         cfg["PEEL_TAIL"] = False
+        if int8_products:
+            # 4 documents per program: the query tile loaded and quantised once for 4 (session 5: 1x10k 32x300
+            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394); not for bf16 documents (0.190 vs 0.185, 0.610 vs 0.599)
+            cfg["DOCS"] = 4
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -146,12 +156,12 @@ def _contiguous_strides(shape):
 def int8_products(documents: torch.Tensor, document_scales, d: int, save_aux: bool) -> bool:
     """Whether int8 documents are scored with int8 x int8 tensor-core products, each query token quantised in the
     kernel like a document token, rather than converted to the queries' dtype in registers. Only with the whole
-    feature axis in one tile (d <= 256), scoring only. Off until measured on the device: the on-chip conversion
-    bounds today's int8 path (docs/perf-notes.md, session 3), and quantising the query keeps the fidelity budget
-    (benchmarks/results/quantized-query-fidelity.json). Tuning sweeps switch it on with
-    ``FORWARD_OVERRIDES["INT8_PRODUCTS"] = True``."""
+    feature axis in one tile (d <= 256), scoring only. Faster on every int8 row measured (docs/perf-notes.md,
+    session 5: 1x10k 32x300 0.125 vs 0.170 ms, 32x1030 0.361 vs 0.507, 1024x1024 5.89 vs 7.13), within the
+    fidelity budget (benchmarks/results/quantized-query-fidelity.json). ``FORWARD_OVERRIDES["INT8_PRODUCTS"] =
+    False`` switches back to the conversion for comparison."""
     return (document_scales is not None and documents.dtype == torch.int8 and d <= 256 and not save_aux
-            and bool(FORWARD_OVERRIDES.get("INT8_PRODUCTS", False)))
+            and bool(FORWARD_OVERRIDES.get("INT8_PRODUCTS", True)))
 
 
 def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
@@ -167,7 +177,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     quantize_q = int8_products(documents, document_scales, d, save_aux)
     # queries quantised in the kernel: tiled like bf16 ones (both on tensor cores)
     cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux,
-                         torch.bfloat16 if quantize_q else queries.dtype)
+                         torch.bfloat16 if quantize_q else queries.dtype, quantize_q)
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
         n_ds = 1
@@ -178,6 +188,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         n_ds = _cdiv(max_len, tokens_per_ds)
     else:
         tokens_per_ds = 2**31 - 1      # one slice: the whole document, whatever its length
+    # several documents per program: padded in-batch documents, scoring only, one slice per document
+    docs = cfg["DOCS"] if not (candidates or offsets is not None or save_aux or n_ds > 1 or Ld == 0) else 1
     plan = _ForwardPlan()
     plan.row_out = row_out = n_ds > 1
     plan.n_splits = n_splits
@@ -200,9 +212,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
     sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
     tau = float(smooth_tau) if smooth else 1.0
-    plan.grid = (T * n_qblocks * n_splits * n_ds,)
+    plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
     plan.scalars = (
-        Nq, Lq, d, Ld, max(candidates, 1),
+        Nq, Lq, d, Ld, max(candidates, 1), T,
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         queries.stride(0), queries.stride(1), queries.stride(2),
         sdt, sdl, sdd,
@@ -218,7 +230,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=interpreting() and queries.dtype == torch.bfloat16,
         PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
-        PEEL_TAIL=cfg["PEEL_TAIL"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PEEL_TAIL=cfg["PEEL_TAIL"], DOCS=docs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     plan.meta_key = tuple(plan.meta.items())
     return plan

@@ -197,8 +197,10 @@ def test_dispatch_functions(generator, has_dispatch, calls, monkeypatch):
 def test_quantized_passages_score_as_the_library_on_the_dequantized_ones(layout, batch_size, generator, calls,
                                                                           monkeypatch):
     """A compressed index (issue 7): ``score_multi_vector(qs, flash_maxsim.quantize(ps))`` after enable() gives
-    the library's scores on the dequantised passages, the library's per-batch zero padding included (a zero
-    token with scale 0 in the packed index), chunk boundaries included."""
+    the library's scores on the dequantised passages and the queries as an int8 index scores them (quantised per
+    token: docs/semantics.md), the library's per-batch zero padding included (a zero token with scale 0 in the
+    packed index), chunk boundaries included."""
+    from flash_maxsim.quantization import queries_as_scored
     monkeypatch.setattr(flash_colpali, "_CHUNK_TOKENS", 12)        # several chunks: 13 passages hold >= 13 tokens
     qs = [torch.randn(n, 16, generator=generator) for n in (3, 5, 4)]
     ps = [torch.randn(n, 16, generator=generator) for n in torch.randint(1, 12, (13,), generator=generator).tolist()]
@@ -209,7 +211,8 @@ def test_quantized_passages_score_as_the_library_on_the_dequantized_ones(layout,
     if layout == "list":
         values, offsets, _ = dequantized
         dequantized = [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
-    want = score_multi_vector(qs, dequantized, device="cpu", batch_size=batch_size)
+    want = score_multi_vector([queries_as_scored(q, index) for q in qs], dequantized, device="cpu",
+                              batch_size=batch_size)
     calls.reset()
     with flash_colpali.enabled():
         got = BaseVisualRetrieverProcessor.score_multi_vector(qs, index, device="cpu", batch_size=batch_size)

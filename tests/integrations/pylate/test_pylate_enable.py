@@ -186,9 +186,11 @@ def test_functions_handed_out_while_enabled_go_back_to_pylate_after_disable(flas
 
 def test_rerank_takes_a_quantized_candidate_index(flash_calls):
     """A query's candidates may be a compressed index (issue 7): ``flash_maxsim.quantize`` of the candidate list
-    (packed) or of a padded tensor. Rankings and scores are PyLate's own on the dequantised candidates, its
-    zero padding included; the other queries of the same call keep PyLate's path."""
+    (packed) or of a padded tensor. Rankings and scores are PyLate's own on the dequantised candidates and the
+    query as an int8 index scores it (quantised per token: docs/semantics.md), its zero padding included; the
+    other queries of the same call keep PyLate's path."""
     import flash_maxsim
+    from flash_maxsim.quantization import queries_as_scored
 
     g = torch.Generator().manual_seed(21)
     queries = [torch.randn(5, 16, generator=g) for _ in range(3)]
@@ -202,7 +204,10 @@ def test_rerank_takes_a_quantized_candidate_index(flash_calls):
         [c.numpy() for c in candidates[1]],
         [row.numpy() for row in padded.dequantize()],
     ]
-    expected = pylate.rank.rerank(documents_ids=ids, queries_embeddings=queries, documents_embeddings=dequantized)
+    scored_queries = [queries_as_scored(queries[0], packed), queries[1], queries_as_scored(queries[2], padded)]
+    assert not torch.equal(scored_queries[0], queries[0])
+    expected = pylate.rank.rerank(documents_ids=ids, queries_embeddings=scored_queries,
+                                  documents_embeddings=dequantized)
     with flash_pylate.enabled():
         got = pylate.rank.rerank(documents_ids=ids, queries_embeddings=queries,
                                  documents_embeddings=[packed, dequantized[1], padded])
