@@ -298,6 +298,19 @@ def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto", chos
     return out.detach(), _grads(out, leaves64, grad_output.double())
 
 
+def expected_scores_and_grads(case: Case, grad_output=None):
+    """What the path under test (the current backend) must return for ``case``: float64 scores and gradients.
+    For the hard max the oracle follows the arg-max that path saved for its backward, after checking that it is
+    a maximum to within fp32 rounding (8 sqrt(d) u32 times the similarity bound): two tokens can be closer than
+    that on random data, and either is then a correct maximum. The exact-tie rule (first token) is tested on
+    planted ties, where the float64 first arg-max is the only answer."""
+    chosen, tie_tol = None, 0.0
+    if case.smooth_tau is None and grad_output is not None:
+        chosen = saved_argmax(case)
+        tie_tol = 8 * math.sqrt(case.queries.shape[-1]) * FP32_UNIT_ROUNDOFF * similarity_bound(case)
+    return reference_scores_and_grads(case, grad_output, chosen=chosen, tie_tol=tie_tol)
+
+
 def similarity_bound(case: Case):
     return case.similarity_bound()
 

@@ -9,9 +9,8 @@ import torch
 
 import flash_maxsim
 
-from .helpers import (FP32_UNIT_ROUNDOFF, assert_grads_close, assert_scores_close, flash_scores_and_grads,
-                      make_case, random_tensor, reference_scores_and_grads, saved_argmax, similarity_bound,
-                      upstream_gradient)
+from .helpers import (assert_grads_close, assert_scores_close, expected_scores_and_grads, flash_scores_and_grads,
+                      make_case, random_tensor, reference_scores_and_grads, upstream_gradient)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("highest_fp32_precision")]
@@ -25,11 +24,7 @@ def check_against_reference(case):
     are sometimes closer than that, and either is then correct; the exact-tie rule is tested separately)."""
     grad_out = upstream_gradient(case)
     got, grads = flash_scores_and_grads(case, grad_out)
-    chosen, tie_tol = None, 0.0
-    if case.smooth_tau is None:
-        chosen = saved_argmax(case)
-        tie_tol = 8 * math.sqrt(case.queries.shape[-1]) * FP32_UNIT_ROUNDOFF * similarity_bound(case)
-    expected, expected_grads = reference_scores_and_grads(case, grad_out, chosen=chosen, tie_tol=tie_tol)
+    expected, expected_grads = expected_scores_and_grads(case, grad_out)
     assert_scores_close(got, expected, case)
     assert_grads_close(grads, expected_grads, case)
 

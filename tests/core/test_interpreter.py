@@ -10,8 +10,8 @@ import flash_maxsim
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
-from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, flash_scores_and_grads, make_case,
-                      reference_scores_and_grads, upstream_gradient)
+from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, expected_scores_and_grads,
+                      flash_scores_and_grads, make_case, upstream_gradient)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -26,7 +26,7 @@ def check(case):
     grad_out = upstream_gradient(case)
     with force_backend("triton"):
         got, grads = flash_scores_and_grads(case, grad_out)
-    expected, expected_grads = reference_scores_and_grads(case, grad_out)
+        expected, expected_grads = expected_scores_and_grads(case, grad_out)
     assert_scores_close(got, expected, case)
     assert_grads_close(grads, expected_grads, case)
     return got, grads
