@@ -115,8 +115,9 @@ def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor,
     x = x.detach().to(torch.float32)
     qmax = _QMAX[dtype]
     # divided by a tensor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor, which is
-    # one rounding away from the IEEE quotient that the CPU, and the kernel quantising queries, compute
-    scales = x.abs().amax(-1) / torch.tensor(qmax, dtype=torch.float32, device=x.device)
+    # one rounding away from the IEEE quotient that the CPU, and the kernel quantising queries, compute (new_full:
+    # no host-to-device copy, so this stays capturable in a CUDA graph)
+    scales = x.abs().amax(-1) / x.new_full((), qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = x / safe[..., None]
     if dtype == "int8":

@@ -155,6 +155,16 @@ def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch)
     assert launch.forward_config(4, 8, 32, 300, 128, True, True)["PEEL_TAIL"] is True
 
 
+def test_several_documents_per_program_only_for_int8_products_over_many_documents():
+    """4 documents per program where it was measured: int8 products, one query's bandwidth-bound scoring, at
+    least 16 documents per SM; bf16 documents, a few documents or many query tokens keep one per program."""
+    many = 16 * launch._sm_count()
+    assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 4
+    assert launch.forward_config(1, many - 1, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
+    assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, False)["DOCS"] == 1
+    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
+
+
 def test_fp32_cuda_core_scoring_runs_on_four_warps(highest_fp32_precision):
     # run 7 / run 9: 4 warps 2.50 ms vs 8 warps 4.1 on a PyLate-shaped fp32 call
     cfg = launch.forward_config(64, 512, 32, 180, 128, False, False, dtype=torch.float32)

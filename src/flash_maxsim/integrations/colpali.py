@@ -85,7 +85,8 @@ def _late_interaction(queries: torch.Tensor, documents, smooth_tau: Optional[flo
         documents = documents._replace(values=values)
     elif isinstance(documents, torch.Tensor):
         queries, documents = _cast_like_autocast(queries, documents)
-    # quantised passages: the queries keep their dtype (the index is dequantised on chip, in it)
+    # quantised passages: dequantised on chip; an int8 index with d <= 256 quantises the queries per token too
+    # (flash_maxsim.quantization.queries_as_scored, docs/semantics.md)
     return flash_maxsim.maxsim(queries, documents, masked="zero", smooth_tau=smooth_tau)
 
 
@@ -286,7 +287,8 @@ def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Ten
 
     ``qs`` / ``ps``: lists of ``[sequence_length_i, dim]`` tensors or padded ``[n, max_length, dim]`` tensors;
     ``ps`` may also be a compressed index, ``flash_maxsim.quantize(ps)`` (int8, or fp8 on GPUs that have it):
-    then the scores are the library's on the dequantised passages.
+    then the scores are the library's on the dequantised passages and the queries as the index scores them
+    (``flash_maxsim.quantization.queries_as_scored``: quantised per token for int8 at d <= 256).
     Passages are scored without padding, chunk by chunk, so memory does not grow with ``batch_size`` or the pool;
     ``batch_size`` only names the groups the library would pad together (see the module notes)."""
     from colpali_engine.utils import processing_utils

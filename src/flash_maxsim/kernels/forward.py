@@ -1,13 +1,14 @@
 """Fused MaxSim forward kernel.
 
-One program scores a tile of query-token rows against one document. The rows are ``QPB`` queries times
+One program scores a tile of query-token rows against one document (or ``DOCS`` padded documents, one after
+the other, for bandwidth-bound scoring). The rows are ``QPB`` queries times
 ``TOKB`` tokens (``TOKB`` a power of two >= Lq, or a slice of a long query, see ``split``). The program streams
 the document ``BLOCK_N`` tokens at a time, computes the similarity tile ``S = Q_rows @ D_tile^T`` in registers
 (tensor cores through ``tl.dot``), applies the masks and folds the tile into a running max (hard) or a running
 log-sum-exp (smooth). Nothing of size rows x Ld leaves the chip.
 
-Writes, per program, ``QPB`` partial scores (one per query) into ``OUT[split, q, col]`` and, when the caller
-will differentiate, one auxiliary value per row into ``AUX[q, col, token]``: the index of the first arg-max
+Writes, per program and document, ``QPB`` partial scores (one per query) into ``OUT[split, q, col]`` and, when
+the caller will differentiate, one auxiliary value per row into ``AUX[q, col, token]``: the index of the first arg-max
 document token (-1: no gradient) or the row's log-sum-exp (+inf: no gradient).
 """
 
@@ -188,8 +189,10 @@ def maxsim_fwd_kernel(
         # quantization.quantize_tokens does it (scale = amax / 127, IEEE division, round half to even through
         # the 1.5 * 2^23 trick, valid for |y| <= 127), so the score is that of the dequantised query
         qf = q_tile.to(tl.float32)
-        amax = tl.max(tl.abs(qf), 1)
+        amax = tl.reduce(tl.abs(qf), 1, _max_propagating_nan)
         q_scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 127.0, tl.float32))
+        # a NaN or infinite query token scores NaN, as its dequantised form (scale NaN or inf) does on the CPU
+        q_scale = tl.where(amax < float("inf"), q_scale, float("nan"))
         y = tl.math.div_rn(qf, tl.where(q_scale > 0, q_scale, 1.0)[:, None])
         y = (y + 12582912.0) - 12582912.0
         q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
@@ -203,17 +206,16 @@ def maxsim_fwd_kernel(
     if DOCS > 1:
         # DOCS padded documents per program (bandwidth-bound scoring): one loop over all their tiles, so that
         # loads stream on across document boundaries and the query tile is loaded (and quantised) once
-        # (store masks test the documents' bound through the queries' one: the interpreter rejects block & scalar)
         qs = q0 + tl.arange(0, QPB)
         tiles = tl.cdiv(Ld, BLOCK_N)
-        for i in range(0, DOCS * tiles):
+        cols64 = ncols.to(tl.int64)        # token offsets times strides may pass 2^31 (a transposed index)
+        # the last program's group may hold fewer than DOCS documents
+        for i in range(0, tl.minimum(n_docs - t * DOCS, DOCS).to(tl.int32) * tiles):
             j = i // tiles
             n0 = (i - j * tiles) * BLOCK_N
             tj = t * DOCS + j
-            # past the last document nothing is in range: every load is masked off
-            n_end = tl.where(tj < n_docs, Ld, 0)
             m, acc, arg = _fold_tile(
-                m, acc, arg, n0 + ncols, n_end, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
+                m, acc, arg, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
                 SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
                 PRECISION)
@@ -221,8 +223,7 @@ def maxsim_fwd_kernel(
                 # the document's last tile: its score, then a fresh state for the next one
                 _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
                 per_query = tl.sum(tl.reshape(tl.where(row_ok, row_val, 0.0), (QPB, TOKB)), 1)
-                tl.store(OUT + split * stride_os + qs * stride_on + tj * stride_oc, per_query,
-                         mask=qs < tl.where(tj < n_docs, Nq, 0))
+                tl.store(OUT + split * stride_os + qs * stride_on + tj * stride_oc, per_query, mask=qs < Nq)
                 m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     else:

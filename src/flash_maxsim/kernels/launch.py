@@ -124,9 +124,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # vs 0.1908 ms, peers 0.186; 32x1030 0.603 vs 0.608; d=96 0.089 vs 0.092). d=384 (128-token tiles, chunked
         # features) streams better peeled: 0.377 vs 0.385
         cfg["PEEL_TAIL"] = False
-        if int8_products:
+        if int8_products and C >= 16 * _sm_count():
             # 4 documents per program: the query tile loaded and quantised once for 4 (session 5: 1x10k 32x300
-            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394); not for bf16 documents (0.190 vs 0.185, 0.610 vs 0.599)
+            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394); not for bf16 documents (0.190 vs 0.185, 0.610 vs 0.599).
+            # Measured at 10k documents only: with fewer than 16 per SM the grid keeps one document per program
             cfg["DOCS"] = 4
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
