@@ -543,6 +543,31 @@ def skipped(reason: str) -> dict:
     return {"status": "skipped", "error": reason}
 
 
+def interleave_rounds(m: Machine, calls: dict, results: dict, rounds: int) -> None:
+    """Times ``calls`` (key -> (call, input sets): ours and each peer's chosen variant on one row) again in
+    ``rounds`` alternating passes, so that drift of GPU clocks and host speed during the run hits every method
+    alike, and sets each one's ``ms`` to the median of its passes (the first, sequential measurement is kept as
+    ``ms_single``, the passes as ``ms_rounds``). Rows where ours and a peer sit within noise of each other
+    (launch-bound calls, the bandwidth floor) otherwise read as a win or a loss by chance."""
+    live = {k: v for k, v in calls.items() if results.get(k, {}).get("ms") is not None}
+    if rounds < 1 or not live:
+        return
+    passes: dict = {k: [] for k in live}
+    try:
+        for _ in range(rounds):
+            for key, (call, sets) in live.items():
+                rotation = itertools.cycle(sets)
+                passes[key].append(m.timer.median_ms(lambda: call(*next(rotation))))
+    except Exception as exc:     # keep the single measurements
+        log.warning("interleaved rounds failed (%s); keeping single measurements", _error_text(exc))
+        return
+    finally:
+        m.release()
+    for key, times in passes.items():
+        r = results[key]
+        r["ms_single"], r["ms_rounds"], r["ms"] = r["ms"], times, statistics.median(times)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Forward section
 # ----------------------------------------------------------------------------------------------------------------
@@ -576,7 +601,7 @@ def _too_big(m: Machine, nbytes: float, ms: float) -> Optional[str]:
     return None
 
 
-def run_forward_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0) -> list[dict]:
+def run_forward_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0, rounds=0) -> list[dict]:
     rows = []
     for shape in shapes:
         Nq, B, Lq, Ld, d = shape.Nq, shape.B, shape.Lq, shape.Ld, shape.d
@@ -616,36 +641,46 @@ def run_forward_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=
                 return {"max_abs_diff": diff, "tol": tol, "ok": bool(diff <= tol)}
             return check
 
+        calls: dict = {}    # what interleave_rounds times again: ours and each peer's chosen variant
         for key in method_keys:
             if m.budget.spent():
                 row["results"][key] = skipped("time budget spent")
                 continue
             if key == "ours":
                 row["results"][key] = run_method(m, ours_forward, sets, check_ours)
+                calls[key] = (ours_forward, sets)
             elif key in FORWARD_BASELINES:
                 fn, kind, elem_bytes, fp32 = FORWARD_BASELINES[key]
                 est = _eager_estimate(m, shape, elem_bytes, fp32, chunk=128 if key == "colpali_loop" else None)
                 reason = _too_big(m, *est)
                 row["results"][key] = skipped(reason) if reason else run_method(m, fn, sets, check_against_ours(kind))
             else:
-                row["results"][key] = _run_peer_forward(m, key, peers, peer_missing, sets, check_against_ours("fp32"))
+                row["results"][key] = _run_peer_forward(m, key, peers, peer_missing, sets, check_against_ours("fp32"),
+                                                        calls)
             r = row["results"][key]
             log.info("    %-14s %s", key, _brief(r))
-        sets = truth = None  # free this shape's inputs before the next one
+        if not m.budget.spent():
+            interleave_rounds(m, calls, row["results"], rounds)
+        sets = truth = calls = None  # free this shape's inputs before the next one
         m.release()
     return rows
 
 
-def _run_peer_forward(m, key, peers, peer_missing, sets, check) -> dict:
+def _run_peer_forward(m, key, peers, peer_missing, sets, check, calls=None) -> dict:
+    """The peer's fastest correct forward variant; ``calls[key]`` gets that variant (for interleave_rounds)."""
     peer = next((p for p in peers if p.key == key), None)
     if peer is None:
         return skipped(peer_missing.get(key, "not requested"))
     if not m.cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return skipped("peer kernels need CUDA (or --interpret on the CPU)")
-    variants = {}
+    variants, fns = {}, {}
     for name, fn in peer.forward_variants(*sets[0]):
         variants[name] = run_method(m, fn, sets, check)
-    return _best_variant(peer, variants)
+        fns[name] = fn
+    best = _best_variant(peer, variants)
+    if calls is not None:
+        calls[key] = (fns[best["variant"]], sets)
+    return best
 
 
 def _best_variant(peer, variants: dict) -> dict:
@@ -692,7 +727,7 @@ def _train_step(score_fn, loss_fn):
     return step
 
 
-def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0) -> list[dict]:
+def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0, rounds=0) -> list[dict]:
     rows = []
     for shape in shapes:
         Nq, B, Lq, Ld, d = shape.Nq, shape.B, shape.Lq, shape.Ld, shape.d
@@ -746,6 +781,7 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
                         "ok": bool(diff <= tol and grad_err <= grad_limit)}
             return check
 
+        calls: dict = {}    # what interleave_rounds times again: ours and the peers
         for key in method_keys:
             if m.budget.spent():
                 row["results"][key] = skipped("time budget spent")
@@ -753,6 +789,7 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
             if key == "ours":
                 step = _train_step(ours_train_scores(shape.layout, shape.smooth_tau), loss_fn)
                 row["results"][key] = run_method(m, step, sets, check_ours)
+                calls[key] = (step, sets)
             elif key == "eager":
                 # autograd keeps the similarity tensor and builds its gradient: ~12 bytes per element (issue 3's
                 # measurements: 10.5 for the hard max, 7.6 for the smooth max)
@@ -777,11 +814,15 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
                         missing = "smooth max" if shape.smooth_tau is not None else f"{shape.layout} training path"
                         row["results"][key] = skipped(f"{peer.label} has no {missing}")
                     else:
-                        r = run_method(m, _train_step(score_fn, loss_fn), sets, check_against_ours("fp32", 2e-2))
+                        step = _train_step(score_fn, loss_fn)
+                        r = run_method(m, step, sets, check_against_ours("fp32", 2e-2))
                         r["peer"] = peer.label
                         row["results"][key] = r
+                        calls[key] = (step, sets)
             log.info("    %-14s %s", key, _brief(row["results"][key]))
-        sets = truth = None  # free this shape's inputs before the next one
+        if not m.budget.spent():
+            interleave_rounds(m, calls, row["results"], rounds)
+        sets = truth = calls = None  # free this shape's inputs before the next one
         m.release()
     return rows
 
@@ -1357,7 +1398,9 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
            f"Python {meta['python']}, flash_maxsim at `{meta.get('git_commit') or '?'}`"
            f"{' (uncommitted changes)' if meta.get('git_dirty') else ''}; timer `{meta['timer']}` "
            f"(warmup {meta['warmup_ms']} ms, rep {meta['rep_ms']} ms, median); inputs {meta['dtype']}, "
-           f"random L2-normalised tokens; total {meta.get('elapsed_s', 0):.0f} s.", ""]
+           f"random L2-normalised tokens; total {meta.get('elapsed_s', 0):.0f} s."
+           + (f" Forward and training rows: ours and the peers timed again in {meta['rounds']} alternating passes, "
+              "median of the passes." if meta.get("rounds") else ""), ""]
     if meta.get("smoke"):
         out += ["**CPU smoke run: tiny shapes, numbers meaningless; it only shows that every path runs.**", ""]
     if meta.get("peers_missing"):
@@ -1543,7 +1586,7 @@ def _meta(m: Machine, args, peers, peer_missing) -> dict:
             "git_commit": _git("rev-parse", "--short", "HEAD"), "git_dirty": bool(status) if status is not None
             else None, "timer": m.timer.name, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
             "dtype": str(m.dtype).replace("torch.", ""), "peers": {p.key: p.label for p in peers},
-            "peers_missing": peer_missing, "argv": sys.argv[1:], "l2_bytes": m.l2_bytes}
+            "peers_missing": peer_missing, "argv": sys.argv[1:], "l2_bytes": m.l2_bytes, "rounds": args.rounds}
 
 
 SECTIONS = ("forward", "training", "compressed", "forward-sweep", "training-sweep")
@@ -1596,6 +1639,9 @@ def parse_args(argv=None):
     p.add_argument("--cpu-reps", type=int, default=None,
                    help="timed repetitions per measurement on the CPU (default 2; 1 with --interpret)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="forward and training rows: time ours and the peers again in this many alternating passes "
+                        "and report the median (0: one sequential measurement each)")
     p.add_argument("--from-json", type=Path, nargs="+", default=None,
                    help="run nothing: load saved results.json files (several are merged, later sections "
                         "replacing earlier ones) to redraw the plots and --write-docs")
@@ -1644,14 +1690,14 @@ def run(args) -> dict:
         shapes = keep(FORWARD_SHAPES)
         shapes = [smoke_forward(s) for s in shapes] if args.cpu_smoke else shapes
         keys = ["ours", "torch_bf16", "torch_fp32", "colpali_loop"] + peer_keys
-        res["forward"] = run_forward_rows(m, shapes, keys, peers, peer_missing, args.seed)
+        res["forward"] = run_forward_rows(m, shapes, keys, peers, peer_missing, args.seed, args.rounds)
         if res["forward"]:
             print("\n".join(forward_table(res["forward"])), flush=True)
     if "training" in args.sections:
         shapes = keep(TRAIN_SHAPES)
         shapes = [smoke_train(s) for s in shapes] if args.cpu_smoke else shapes
         keys = ["ours", "eager"] + [k for k in ("fmpypi", "lik") if k in peer_keys]
-        res["training"] = run_training_rows(m, shapes, keys, peers, peer_missing, args.seed)
+        res["training"] = run_training_rows(m, shapes, keys, peers, peer_missing, args.seed, args.rounds)
         if res["training"]:
             print("\n".join(training_table(res["training"])), flush=True)
     if "compressed" in args.sections:
