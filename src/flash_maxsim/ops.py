@@ -12,6 +12,7 @@ option of fp32 gradients whatever the input dtype.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
@@ -77,8 +78,7 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     if launch.int8_products(documents, document_scales, queries.shape[-1], save_aux):
         # what the kernels score against an int8 index: the query quantised per token like a document token
         from .quantization import dequantized_queries
-        p = _problem(dequantized_queries(queries), documents, queries_mask, documents_mask, offsets, max_length,
-                     candidates, document_scales)
+        p = dataclasses.replace(p, queries=dequantized_queries(queries))
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
         return _cpu.forward(p, zero_masked, smooth_tau, save_aux)

@@ -20,6 +20,15 @@ def overrides():
     launch.BACKWARD_OVERRIDES.clear()
 
 
+def _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau):
+    """Triton scores, in both masked modes, against the float64 reference."""
+    with force_backend("triton"), torch.no_grad():
+        for masked in ("exclude", "zero"):
+            got = fm.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
+            want = reference.maxsim(q.double(), docs.double(), qmask, dmask, masked=masked, smooth_tau=smooth_tau)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def _grads(q, docs, **kw):
     q = q.detach().requires_grad_()
     d = docs.detach().requires_grad_()
@@ -58,11 +67,7 @@ def test_document_token_split_forward(overrides, smooth_tau):
     qmask = (torch.rand(2, 5, generator=g) > 0.3).to(dev)
     dmask = (torch.rand(3, 200, generator=g) > 0.5).to(dev)
     dmask[1] = False
-    with force_backend("triton"), torch.no_grad():
-        for masked in ("exclude", "zero"):
-            got = fm.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
-            want = reference.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau)
 
 
 def test_query_gradient_column_split(overrides):
@@ -151,11 +156,7 @@ def test_several_documents_per_program(overrides, smooth_tau, monkeypatch):
     qmask = (torch.rand(3, 20, generator=g) > 0.2).to(dev)
     dmask = (torch.rand(7, 50, generator=g) > 0.4).to(dev)
     dmask[4] = False
-    with force_backend("triton"), torch.no_grad():
-        for masked in ("exclude", "zero"):
-            got = fm.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
-            want = reference.maxsim(q.double(), docs.double(), qmask, dmask, masked=masked, smooth_tau=smooth_tau)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau)
     plans = list(launch._FORWARD_PLANS.values())
     # 3 groups of documents x 3 queries x 2 row tiles
     assert plans and all(p.meta["DOCS"] == 3 and p.grid == (3 * 3 * 2,) for p in plans)
