@@ -10,6 +10,12 @@ cd "$root"
 only="${1:-}"
 mkdir -p .cache/junit
 rm -f .cache/junit/*.xml
+# compiled kernels (Triton, TorchInductor) stay inside this checkout: deleting it frees them
+export TRITON_CACHE_DIR="$root/.cache/triton" TORCHINDUCTOR_CACHE_DIR="$root/.cache/inductor"
+# the environments take ~5 GB (torch and triton once, in core; each toolkit layered on it)
+free_mb=$(df -Pm "$root" | awk 'NR==2 {print $4}')
+echo "free disk under $root: ${free_mb} MB"
+if [ "${free_mb:-0}" -lt 6000 ]; then echo "warning: under 6 GB free; building the environments may fail (No space left on device)"; fi
 status=0
 while IFS=$'\t' read -r name envname path pipargs; do
   case "$name" in ''|\#*) continue ;; esac

@@ -124,6 +124,15 @@ def _row_values(m, acc, q_scale, tau, QUANTIZE_Q: tl.constexpr, SMOOTH: tl.const
 
 
 @triton.jit
+def _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, stride_on, stride_oc,
+                        QPB: tl.constexpr, TOKB: tl.constexpr):
+    """The score of each query ``q0 + j`` (j < QPB), the sum of its valid rows, into ``OUT[split, q, col]``."""
+    per_query = tl.sum(tl.reshape(tl.where(row_ok, row_val, 0.0), (QPB, TOKB)), 1)
+    qs = q0 + tl.arange(0, QPB)
+    tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
+
+
+@triton.jit
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
     Nq, Lq, d, Ld, K, n_docs,
@@ -206,7 +215,6 @@ def maxsim_fwd_kernel(
     if DOCS > 1:
         # DOCS padded documents per program (bandwidth-bound scoring): one loop over all their tiles, so that
         # loads stream on across document boundaries and the query tile is loaded (and quantised) once
-        qs = q0 + tl.arange(0, QPB)
         tiles = tl.cdiv(Ld, BLOCK_N)
         cols64 = ncols.to(tl.int64)        # token offsets times strides may pass 2^31 (a transposed index)
         # the last program's group may hold fewer than DOCS documents
@@ -222,8 +230,8 @@ def maxsim_fwd_kernel(
             if n0 + BLOCK_N >= Ld:
                 # the document's last tile: its score, then a fresh state for the next one
                 _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
-                per_query = tl.sum(tl.reshape(tl.where(row_ok, row_val, 0.0), (QPB, TOKB)), 1)
-                tl.store(OUT + split * stride_os + qs * stride_on + tj * stride_oc, per_query, mask=qs < Nq)
+                _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc,
+                                    QPB, TOKB)
                 m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     else:
@@ -268,11 +276,7 @@ def maxsim_fwd_kernel(
                                           other=0)
                             arg = tl.where(hit != 0, arg, -1)
                     aux = tl.where(row_ok, arg, -1)
-            row_val = tl.where(row_ok, row_val, 0.0)
-
-            per_query = tl.sum(tl.reshape(row_val, (QPB, TOKB)), 1)
-            qs = q0 + tl.arange(0, QPB)
-            tl.store(OUT + split * stride_os + qs * stride_on + col * stride_oc, per_query, mask=qs < Nq)
+            _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, stride_on, stride_oc, QPB, TOKB)
             if SAVE_AUX:
                 tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux,
                          mask=(qidx < Nq) & (tok < Lq))

@@ -440,12 +440,10 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
             bd = min(block_d, 128)
             grid = (_cdiv(n_rows, rows_per_program) * _cdiv(d, bd),)
             if grid[0] > 0:
-                maxsim_bwd_dd_sparse_kernel[grid](
-                    grad, queries, perm, row_start, flat,
-                    n_rows, Lq, C, d,
-                    grad.stride(0), grad.stride(1),
-                    queries.stride(0), queries.stride(1), queries.stride(2),
-                    flat.stride(0), flat.stride(1),
-                    ROWS=rows_per_program, BLOCK_D=bd, num_warps=4,
-                )
+                _launcher.launch(
+                    maxsim_bwd_dd_sparse_kernel, grid,
+                    (grad, queries, perm, row_start, flat),
+                    (n_rows, Lq, C, d, grad.stride(0), grad.stride(1),
+                     queries.stride(0), queries.stride(1), queries.stride(2), flat.stride(0), flat.stride(1)),
+                    dict(ROWS=rows_per_program, BLOCK_D=bd, num_warps=4))
     return dq, dd

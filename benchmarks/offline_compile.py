@@ -1,0 +1,289 @@
+"""Compile the kernels for a GPU on a machine without one: every specialisation the launcher picks for a set of
+problems that covers its tile choices (bandwidth- and compute-bound scoring, long documents split over programs,
+the several-documents loop, int8 x int8 products, converted int8 / fp8, CUDA-core fp32, masks, ragged, paired,
+smooth max, training forward and backward), compiled by Triton for the target down to a cubin, and reported:
+registers, local memory (spills), shared memory, the tensor-core instructions in the PTX, and a digest of the
+code (equal before and after a refactor: the compiled kernels did not change).
+
+    python benchmarks/offline_compile.py [--arch 90] [--sms 132] [--only TEXT] [--json OUT.json]
+
+Why: the CPU interpreter runs the kernels' arithmetic but never the compiler, so a kernel change can pass every
+CPU test and still fail to compile, spill, or lose its tensor-core path on the GPU. This catches those without a
+GPU (tests/core/test_offline_compile.py runs it in CI). It does not time anything.
+
+Nothing is launched: the launcher is replaced by a recorder while the real host code (layout, tile choice,
+launch plans) runs on CPU tensors that are never read (``torch.empty``, so the large shapes cost no memory). The
+SM count is the target's (``--sms``), since tile choices depend on it. Needs Triton's NVIDIA backend (its bundled
+ptxas and cuobjdump) and TRITON_INTERPRET unset. Uses Triton internals (the kernel's argument binder), pinned to
+the version CI installs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+# what Triton before 3.10 does by default (the device has 3.6); 3.9 warns when it is unset
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+import flash_maxsim as fm  # noqa: E402
+from flash_maxsim import _layout  # noqa: E402
+from flash_maxsim.kernels import _launcher, launch  # noqa: E402
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@dataclass
+class Case:
+    """One problem. ``build`` returns (queries, documents, queries_mask, documents_mask)."""
+
+    name: str
+    build: Callable
+    masked: str = "exclude"
+    smooth_tau: Optional[float] = None
+    training: bool = False                       # forward saving the arg-max / log-sum-exp, then both gradients
+    fp32_precision: str = "highest"
+    forward_overrides: dict = field(default_factory=dict)
+    backward_overrides: dict = field(default_factory=dict)
+    min_arch: int = 0                            # fp8 documents need 89
+
+
+def _q(nq, lq, d, dt=BF16):
+    return torch.empty(nq, lq, d, dtype=dt)
+
+
+def _docs(b, ld, d, dt=BF16):
+    return torch.empty(b, ld, d, dtype=dt)
+
+
+def _mask(*shape):
+    m = torch.ones(shape, dtype=torch.bool)
+    m[..., -1] = False
+    return m
+
+
+def _quantized(b, ld, d, kind="int8", mask=False):
+    values = torch.empty(b, ld, d, dtype=torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+    return fm.QuantizedDocuments(values=values, scales=torch.empty(b, ld, dtype=FP32),
+                                 mask=_mask(b, ld) if mask else None, kind=kind)
+
+
+def _ragged(lengths, d, dt=BF16):
+    return [torch.empty(n, d, dtype=dt) for n in lengths]
+
+
+CASES = [
+    # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
+    Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
+    Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
+    Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
+    Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
+    Case("bf16 d=384 1x1k 32x180", lambda: (_q(1, 32, 384), _docs(1000, 180, 384), None, None)),
+    Case("bf16 d=96 masks zero", lambda: (_q(2, 31, 96), _docs(50, 257, 96), _mask(2, 31), _mask(50, 257)),
+         masked="zero"),
+    Case("bf16 d=1024", lambda: (_q(2, 7, 1024), _docs(3, 33, 1024), None, None)),
+    Case("fp16 ragged masks", lambda: (_q(3, 20, 128, FP16), _ragged([5, 70, 33], 128, FP16), _mask(3, 20),
+                                       [_mask(5), _mask(70), _mask(33)])),
+    Case("bf16 paired K=8 masks", lambda: (_q(4, 32, 128), _docs(4 * 8, 300, 128).view(4, 8, 300, 128),
+                                           None, _mask(4, 8, 300))),
+    Case("bf16 smooth zero", lambda: (_q(4, 32, 128), _docs(64, 1030, 128), None, _mask(64, 1030)),
+         masked="zero", smooth_tau=0.1),
+    Case("fp32 highest (CUDA cores)", lambda: (_q(4, 32, 128, FP32), _docs(100, 180, 128, FP32), None, None)),
+    Case("fp32 tf32", lambda: (_q(4, 32, 128, FP32), _docs(100, 180, 128, FP32), None, None),
+         fp32_precision="high"),
+    # compressed index
+    Case("int8 1x3k 32x300 (4 documents per program)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128),
+                                                                None, None)),
+    Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
+                                                 None, None)),
+    Case("int8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128), None, None),
+         forward_overrides={"INT8_PRODUCTS": False}),
+    Case("int8 d=384 (converted)", lambda: (_q(1, 32, 384), _quantized(1000, 180, 384), None, None)),
+    Case("fp8 1x1k 32x300", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
+         min_arch=89),
+    # training: forward saving what the backward needs, then dQ and dD
+    Case("train bf16 in-batch B128 32x300", lambda: (_q(128, 32, 128), _docs(128, 300, 128), _mask(128, 32),
+                                                     _mask(128, 300)), training=True),
+    Case("train bf16 smooth ColPali B16", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None,
+                                                   _mask(16, 1030)), masked="zero", smooth_tau=0.1, training=True),
+    Case("train bf16 KD 8x8 paired", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
+                                              None, None), training=True),
+    Case("train fp16 ragged", lambda: (_q(3, 20, 128, FP16), _ragged([5, 70, 33], 128, FP16), None, None),
+         training=True),
+    Case("train fp32 d=96", lambda: (_q(2, 31, 96, FP32), _docs(6, 57, 96, FP32), None, None), training=True),
+    Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
+    Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
+         backward_overrides={"DD_METHOD": "sparse"}),
+]
+
+
+@contextlib.contextmanager
+def _recording(sms: int, case: Case):
+    """Launches recorded instead of run; the target's SM count; the case's precision and overrides."""
+    calls = []
+    saved = (_launcher.launch, launch._sm_count, torch.get_float32_matmul_precision(),
+             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES))
+    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None: \
+        calls.append((kernel, grid, tensors, scalars, dict(meta)))
+    launch._sm_count = lambda: sms
+    launch._FORWARD_PLANS.clear()         # plans are keyed by shapes, not by SM count
+    torch.set_float32_matmul_precision(case.fp32_precision)
+    launch.FORWARD_OVERRIDES.update(case.forward_overrides)
+    launch.BACKWARD_OVERRIDES.update(case.backward_overrides)
+    try:
+        yield calls
+    finally:
+        _launcher.launch, launch._sm_count = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+        launch.FORWARD_OVERRIDES.clear(), launch.FORWARD_OVERRIDES.update(saved[3])
+        launch.BACKWARD_OVERRIDES.clear(), launch.BACKWARD_OVERRIDES.update(saved[4])
+        launch._FORWARD_PLANS.clear()
+
+
+def record_launches(case: Case, sms: int) -> list:
+    """The (kernel, grid, tensors, scalars, meta) of every launch the library makes for ``case``."""
+    queries, documents, qmask, dmask = case.build()
+    p = _layout.canonicalize(queries, documents, qmask, dmask, masked=case.masked, smooth_tau=case.smooth_tau)
+    with _recording(sms, case) as calls:
+        _, aux = launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
+                                case.masked == "zero", case.smooth_tau, case.training, p.max_length,
+                                p.document_scales)
+        if case.training:
+            # the recorder ran nothing: an arg-max that is valid for the sparse dD kernel's host-side sort
+            if aux.dtype == torch.int32:
+                aux.zero_()
+            grad = torch.empty(p.queries.shape[0], p.num_columns, dtype=FP32)
+            launch.backward(grad, p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
+                            p.max_length, aux, p.candidates, case.smooth_tau, True, True)
+    return calls
+
+
+_MMA = re.compile(r"\b(wgmma\.mma_async|mma\.sync)(\.[\w]+)*")
+_OPERAND_TYPES = re.compile(r"\.(s8|u8|bf16|f16|tf32|e4m3|e5m2)\b")
+
+
+def mma_kinds(ptx: str) -> dict:
+    """Tensor-core instructions in a PTX text: {'wgmma s8': count, 'mma.sync bf16': count, ...}."""
+    kinds: dict = {}
+    for m in _MMA.finditer(ptx):
+        text = m.group(0)
+        types = _OPERAND_TYPES.findall(text)
+        key = ("wgmma" if text.startswith("wgmma") else "mma.sync") + " " + (types[-1] if types else "?")
+        kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
+def code_digest(ptx: str) -> str:
+    """A digest of the PTX's instructions, without source locations and debug sections: equal digests mean a
+    change (a refactor, say) left the compiled kernel as it was."""
+    body = ptx.split("\t.section\t.debug")[0]
+    lines = (line.split("//")[0].strip() for line in body.splitlines())
+    # "$L__tmp" labels only anchor the debug line table
+    kept = "\n".join(line for line in lines if line and not line.startswith((".loc", ".file", "$L__tmp")))
+    return hashlib.sha256(kept.encode()).hexdigest()[:16]
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    from triton.backends.nvidia import compiler as nvidia_compiler
+    tool = os.path.join(os.path.dirname(nvidia_compiler.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
+    return {"registers": usage.get("reg", -1), "local_bytes": usage.get("local", -1),
+            "stack_bytes": usage.get("stack", -1)}
+
+
+def compile_launch(call, target: GPUTarget) -> dict:
+    """Compile one recorded launch for ``target`` as Triton would on that GPU (same specialisation of every
+    argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16)."""
+    kernel, grid, tensors, scalars, meta = call
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(meta)
+    bound, specialization, options = binder(*tensors, *scalars, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    md = compiled.metadata
+    return {"kernel": kernel.__name__, "grid": list(grid), "num_warps": md.num_warps, "num_stages": md.num_stages,
+            "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
+            **_resource_usage(compiled.asm["cubin"])}
+
+
+_SHOWN_META = ("QUANTIZE_Q", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX", "ROW_OUT", "QPB", "TOKB",
+               "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "DOCS")
+
+
+def run_cases(cases, arch: int, sms: int, log=print) -> list:
+    target = GPUTarget("cuda", arch, 32)
+    rows = []
+    for case in cases:
+        if arch < case.min_arch:
+            continue
+        try:
+            calls = record_launches(case, sms)
+        except Exception as exc:              # a host-side failure is a finding too
+            rows.append({"case": case.name, "error": f"host: {type(exc).__name__}: {exc}"})
+            log(f"FAIL {case.name}: host code raised {type(exc).__name__}: {exc}")
+            continue
+        for call in calls:
+            meta = {k: v for k, v in call[4].items() if k in _SHOWN_META}
+            start = time.time()
+            try:
+                row = {"case": case.name, "meta": meta, **compile_launch(call, target)}
+            except Exception as exc:
+                row = {"case": case.name, "meta": meta, "kernel": call[0].__name__,
+                       "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+            row["compile_s"] = round(time.time() - start, 2)
+            rows.append(row)
+            if "error" in row:
+                log(f"FAIL {case.name} {row['kernel']}: {row['error']}")
+            else:
+                log(f"ok   {case.name:45s} {row['kernel']:28s} warps={row['num_warps']} regs={row['registers']:3d} "
+                    f"local={row['local_bytes']} smem={row['shared_bytes']} mma={row['mma']} ({row['compile_s']} s)")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200, 80: A100)")
+    ap.add_argument("--sms", type=int, default=132, help="the target's SM count (tile choices depend on it)")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this text")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    if launch.interpreting():
+        print("offline_compile: unset TRITON_INTERPRET (the interpreter never compiles)", file=sys.stderr)
+        return 2
+    cases = [c for c in CASES if args.only in c.name]
+    print(f"offline compile for sm_{args.arch} ({args.sms} SMs), Triton {triton.__version__}, {len(cases)} cases",
+          flush=True)
+    rows = run_cases(cases, args.arch, args.sms, log=lambda s: print(s, flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": args.arch, "sms": args.sms, "triton": triton.__version__, "rows": rows}, f, indent=1)
+    failed = sum("error" in r for r in rows)
+    print(f"{len(rows) - failed} compiled, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The kernels compile for Hopper (sm_90) and Ampere (sm_80) on this GPU-less machine, for every specialisation the
+launcher picks on benchmarks/offline_compile.py's problems, without spilling, and on the tensor-core instructions
+each path is meant to use. The interpreter (test_interpreter.py) checks the arithmetic but never runs the compiler:
+a kernel change can pass it and still fail to compile on a GPU (as the last test here shows)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flash_maxsim.kernels import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "offline_compile.py"
+
+try:
+    from triton.backends.nvidia import compiler as _nvidia
+    _HAVE_TOOLS = all((Path(_nvidia.__file__).parent / "bin" / t).exists() for t in ("ptxas", "cuobjdump"))
+except ImportError:
+    _HAVE_TOOLS = False
+
+pytestmark = pytest.mark.skipif(not _HAVE_TOOLS, reason="Triton's NVIDIA backend tools (ptxas, cuobjdump) absent")
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)          # the compiler, not the interpreter
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _compile_all(tmp_path_factory, arch, sms):
+    out = tmp_path_factory.mktemp(f"sm{arch}") / "rows.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--arch", str(arch), "--sms", str(sms), "--json", str(out)],
+                          capture_output=True, text=True, env=_env(), timeout=1500)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    return proc, rows
+
+
+@pytest.fixture(scope="module")
+def hopper(tmp_path_factory):
+    return _compile_all(tmp_path_factory, 90, 132)
+
+
+@pytest.fixture(scope="module")
+def ampere(tmp_path_factory):
+    return _compile_all(tmp_path_factory, 80, 108)
+
+
+def _by_case(rows, case, kernel="maxsim_fwd_kernel"):
+    found = [r for r in rows if r["case"] == case and r.get("kernel") == kernel]
+    assert len(found) == 1, f"{case} / {kernel}: {found}"
+    return found[0]
+
+
+@pytest.mark.parametrize("target", ["hopper", "ampere"])
+def test_every_specialisation_compiles_without_spills(target, request):
+    proc, rows = request.getfixturevalue(target)
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel",
+                       "maxsim_bwd_dd_sparse_kernel"}
+    assert len(rows) >= 35
+    spilling = [(r["case"], r["kernel"], r["local_bytes"]) for r in rows if r["local_bytes"] != 0]
+    assert not spilling, f"local memory (register spills) in: {spilling}"
+    assert all(0 < r["registers"] <= 255 for r in rows)
+
+
+def test_int8_index_uses_int8_tensor_cores(hopper):
+    _, rows = hopper
+    for case, instruction in (("int8 1x3k 32x300 (4 documents per program)", "mma.sync s8"),
+                              ("int8 1x300 1024x1024 masked", "wgmma s8")):
+        row = _by_case(rows, case)
+        assert row["meta"]["QUANTIZE_Q"] and row["meta"]["HAS_SCALES"]
+        assert set(row["mma"]) == {instruction}, row["mma"]
+    assert _by_case(rows, "int8 1x3k 32x300 (4 documents per program)")["meta"]["DOCS"] == 4
+    assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
+    # the conversion paths (switched off, d > 256, fp8) multiply in bf16
+    for case in ("int8 converted", "int8 d=384 (converted)", "fp8 1x1k 32x300"):
+        row = _by_case(rows, case)
+        assert not row["meta"]["QUANTIZE_Q"] and row["meta"]["HAS_SCALES"]
+        assert set(row["mma"]) == {"mma.sync bf16"}, (case, row["mma"])
+
+
+def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):
+    for case in ("bf16 64x1k 32x300 (256 rows)", "bf16 1x300 1024x1024 (256 rows)"):
+        row = _by_case(hopper[1], case)
+        assert row["num_warps"] == 8 and row["meta"]["TOKB"] * row["meta"]["QPB"] == 256
+        assert set(row["mma"]) == {"wgmma bf16"}, row["mma"]
+        assert set(_by_case(ampere[1], case)["mma"]) == {"mma.sync bf16"}   # no wgmma before Hopper
+    assert set(_by_case(hopper[1], "fp32 tf32")["mma"]) == {"wgmma tf32"}
+    assert _by_case(hopper[1], "fp32 highest (CUDA cores)")["mma"] == {}   # full fp32: FMA, no tensor cores
+    assert _by_case(hopper[1], "bf16 16x32 32x8192 (token split)")["meta"]["ROW_OUT"]
+
+
+def test_fp8_documents_are_not_compiled_for_ampere(ampere):
+    assert not any(r["case"].startswith("fp8") for r in ampere[1])
+
+
+@triton.jit
+def _dot_with_k8(A, B, C, K: tl.constexpr):
+    rows = tl.arange(0, 16)
+    ks = tl.arange(0, K)
+    a = tl.load(A + rows[:, None] * K + ks[None, :])
+    b = tl.load(B + ks[:, None] * 16 + rows[None, :])
+    tl.store(C + rows[:, None] * 16 + rows[None, :], tl.dot(a, b))
+
+
+_BROKEN = f"""
+import sys, torch
+sys.path.insert(0, {str(SCRIPT.parent)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+import offline_compile
+from test_offline_compile import _dot_with_k8
+from triton.backends.compiler import GPUTarget
+a, b, c = torch.empty(16, 8, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(16, 16)
+try:
+    offline_compile.compile_launch((_dot_with_k8, (1,), (a, b, c), (), {{"K": 8}}), GPUTarget("cuda", 90, 32))
+except Exception as exc:
+    print("compile error:", type(exc).__name__)
+else:
+    print("compiled")
+"""
+
+
+@pytest.mark.skipif(not launch.interpreting(), reason="shows what the interpreter accepts")
+def test_catches_what_the_interpreter_accepts():
+    """A dot with an inner dimension of 8 runs under the interpreter but does not compile (tensor cores need
+    K >= 16): the offline compile reports it."""
+    a = torch.randn(16, 8, dtype=torch.bfloat16)
+    b = torch.randn(8, 16, dtype=torch.bfloat16)
+    c = torch.empty(16, 16)
+    _dot_with_k8[(1,)](a.float(), b.float(), c, K=8)
+    torch.testing.assert_close(c, a.float() @ b.float())
+    proc = subprocess.run([sys.executable, "-c", _BROKEN], capture_output=True, text=True, env=_env(), timeout=300)
+    assert "compile error: CompilationError" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
