@@ -87,6 +87,11 @@ def _check_floating(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
         raise TypeError(f"`{name}` has dtype {x.dtype} but `queries` has {dtype}; cast one of them so both match")
 
 
+def _is_quantized(documents) -> bool:
+    from .quantization import QuantizedDocuments   # imported here: quantization builds on this module
+    return isinstance(documents, QuantizedDocuments)
+
+
 def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude",
                  smooth_tau=None) -> Problem:
     _check_tensor("queries", queries)
@@ -101,8 +106,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             raise TypeError(f"`smooth_tau` must be a float > 0 or None, got {type(smooth_tau).__name__}")
         if not smooth_tau > 0:
             raise ValueError(f"`smooth_tau` must be > 0, got {smooth_tau}")
-    from .quantization import QuantizedDocuments
-    quantized = isinstance(documents, QuantizedDocuments)
+    quantized = not isinstance(documents, torch.Tensor) and _is_quantized(documents)
     scales = None
     if quantized:
         if documents_mask is None:

@@ -60,28 +60,36 @@ def _aux_dtype(smooth_tau):
     return torch.float32 if smooth_tau is not None else torch.int32
 
 
+def _num_columns(documents, offsets, candidates) -> int:
+    if candidates:
+        return candidates
+    return documents.shape[0] if offsets is None else offsets.shape[0] - 1
+
+
 def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
                  zero_masked, smooth_tau, save_aux, document_scales=None):
-    """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty).
-    ``document_scales`` (fp32, shaped like a documents mask) marks int8/fp8 documents: D = scale * values."""
-    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
+    """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``; None when
+    ``save_aux`` is False). ``document_scales`` (fp32, shaped like a documents mask) marks int8/fp8 documents:
+    D = scale * values."""
     Nq, Lq, _ = queries.shape
-    C = p.num_columns
+    C = _num_columns(documents, offsets, candidates)
     if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
-        aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
         fill = float("inf") if smooth_tau is not None else -1
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
-                torch.full(aux_shape, fill, dtype=_aux_dtype(smooth_tau), device=queries.device))
+                torch.full((Nq, C, Lq), fill, dtype=_aux_dtype(smooth_tau), device=queries.device)
+                if save_aux else None)
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
                               zero_masked, smooth_tau, save_aux, max_length, document_scales)
+    p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
     if launch.int8_products(documents, document_scales, queries.shape[-1], save_aux):
         # what the kernels score against an int8 index: the query quantised per token like a document token
         from .quantization import dequantized_queries
         p = dataclasses.replace(p, queries=dequantized_queries(queries))
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
-        return _cpu.forward(p, zero_masked, smooth_tau, save_aux)
+        scores, aux = _cpu.forward(p, zero_masked, smooth_tau, save_aux)
+    return scores, (aux if save_aux else None)
 
 
 @torch.library.custom_op(f"{_LIB}::maxsim_fwd", mutates_args=())
@@ -90,20 +98,17 @@ def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor
                zero_masked: bool, smooth_tau: Optional[float], save_aux: bool,
                document_scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty)."""
-    return forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
-                        zero_masked, smooth_tau, save_aux, document_scales)
+    scores, aux = forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
+                               zero_masked, smooth_tau, save_aux, document_scales)
+    # an op returns tensors: an empty one when nothing was saved
+    return scores, (aux if aux is not None else queries.new_empty((0, 0, 0), dtype=_aux_dtype(smooth_tau)))
 
 
 @maxsim_fwd.register_fake
 def _(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, zero_masked,
       smooth_tau, save_aux, document_scales=None):
     Nq, Lq, _ = queries.shape
-    if candidates:
-        C = candidates
-    elif offsets is not None:
-        C = offsets.shape[0] - 1
-    else:
-        C = documents.shape[0]
+    C = _num_columns(documents, offsets, candidates)
     aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
     return (queries.new_empty((Nq, C), dtype=torch.float32),
             queries.new_empty(aux_shape, dtype=_aux_dtype(smooth_tau)))

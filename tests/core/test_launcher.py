@@ -169,3 +169,29 @@ def test_fp32_cuda_core_scoring_runs_on_four_warps(highest_fp32_precision):
     # run 7 / run 9: 4 warps 2.50 ms vs 8 warps 4.1 on a PyLate-shaped fp32 call
     cfg = launch.forward_config(64, 512, 32, 180, 128, False, False, dtype=torch.float32)
     assert (cfg["num_warps"], cfg["BLOCK_D"]) == (4, 32)
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.5])
+def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
+    """Scoring returns no aux (an allocation is ~3 us of host time, a tenth of a small call's) and hands the
+    kernel a stand-in pointer; training gets aux [Nq, C, Lq]; a smooth max split over document tokens keeps its
+    per-slice sums in one."""
+    from flash_maxsim.kernels import launch
+    launched = []
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, *rest: launched.append(tensors))
+    queries, documents = torch.randn(2, 8, 32), torch.randn(5, 40, 32)
+    scores, aux = launch.forward(queries, documents, None, None, None, 0, False, smooth_tau, False)
+    assert scores.shape == (2, 5) and aux is None
+    assert launched[-1][6] is queries                       # AUX: the stand-in, never read
+    scores, aux = launch.forward(queries, documents, None, None, None, 0, False, smooth_tau, True)
+    assert aux.shape == (2, 5, 8) and aux.dtype == (torch.int32 if smooth_tau is None else torch.float32)
+    assert launched[-1][6] is aux
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 2)
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    long_documents = torch.randn(5, 200, 32)
+    launch.forward(queries, long_documents, None, None, None, 0, False, smooth_tau, False, 200)
+    row_states, row_sums = launched[-1][5], launched[-1][6]
+    assert row_states.shape == (2, 2, 5, 8)                 # two token slices: per-row states
+    assert (row_sums is queries) == (smooth_tau is None)
+    if smooth_tau is not None:
+        assert row_sums.shape == (2, 2, 5, 8)
