@@ -195,3 +195,27 @@ def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
     assert (row_sums is queries) == (smooth_tau is None)
     if smooth_tau is not None:
         assert row_sums.shape == (2, 2, 5, 8)
+
+
+def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
+    """The dQ column splits' fp32 partial sums must not live on while dD (as large as the documents) is
+    allocated and computed: they would add to the training step's peak memory."""
+    import weakref
+    from flash_maxsim.kernels import launch
+    partials = []
+
+    def record(kernel, grid, tensors, scalars, meta, meta_key=None):
+        if kernel is launch.maxsim_bwd_dq_kernel:
+            partials.append(weakref.ref(tensors[7]))
+        elif kernel is launch.maxsim_bwd_dd_dense_kernel:
+            assert partials and partials[0]() is None, "dQ partial sums still allocated when dD is computed"
+            partials.append("dd launched")
+
+    monkeypatch.setattr(launch._launcher, "launch", record)
+    queries, documents = torch.randn(2, 8, 32), torch.randn(64, 40, 32)
+    aux = torch.zeros(2, 64, 8, dtype=torch.int32)
+    grad = torch.randn(2, 64)
+    dq, dd = launch.backward(grad, queries, documents, None, None, None, 40, aux, 0, None, True, True)
+    assert partials[-1] == "dd launched" and dq.shape == queries.shape and dd.shape == documents.shape
+    splits = launch._dq_column_splits(1, 64, 2 * 8 * 32 * 4, 8 << 20)
+    assert splits > 1          # the case above does split the column loop

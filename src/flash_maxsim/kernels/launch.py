@@ -413,6 +413,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                  num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2)))
         if n_cs > 1:
             dq = target.sum(0).to(out_dtype)
+        del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
 
     if need_dd:
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
