@@ -44,7 +44,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import flash_maxsim as fm  # noqa: E402
-from flash_maxsim import _layout  # noqa: E402
+from flash_maxsim import _layout, ops  # noqa: E402
 from flash_maxsim.kernels import _launcher, launch  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -135,22 +135,27 @@ CASES = [
 
 
 @contextlib.contextmanager
-def _recording(sms: int, case: Case):
-    """Launches recorded instead of run; the target's SM count; the case's precision and overrides."""
+def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrides=None, backward_overrides=None,
+                      keep_tensors: bool = True):
+    """The library's GPU host path on CPU tensors, with every kernel launch recorded instead of run: calls go
+    to the Triton backend whatever the device, the launcher appends (kernel, grid, tensors, scalars, meta) to the
+    list yielded (without the tensors unless ``keep_tensors``: holding them would change what memory is alive),
+    the SM count is the target's. Outputs hold whatever memory they were allocated with."""
     calls = []
     saved = (_launcher.launch, launch._sm_count, torch.get_float32_matmul_precision(),
-             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES))
+             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES), ops._forced_backend)
     _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None: \
-        calls.append((kernel, grid, tensors, scalars, dict(meta)))
+        calls.append((kernel, grid, tensors if keep_tensors else None, scalars, dict(meta)))
     launch._sm_count = lambda: sms
     launch._FORWARD_PLANS.clear()         # plans are keyed by shapes, not by SM count
-    torch.set_float32_matmul_precision(case.fp32_precision)
-    launch.FORWARD_OVERRIDES.update(case.forward_overrides)
-    launch.BACKWARD_OVERRIDES.update(case.backward_overrides)
+    ops._forced_backend = "triton"        # not force_backend(): it refuses without CUDA, rightly for real runs
+    torch.set_float32_matmul_precision(fp32_precision)
+    launch.FORWARD_OVERRIDES.update(forward_overrides or {})
+    launch.BACKWARD_OVERRIDES.update(backward_overrides or {})
     try:
         yield calls
     finally:
-        _launcher.launch, launch._sm_count = saved[0], saved[1]
+        _launcher.launch, launch._sm_count, ops._forced_backend = saved[0], saved[1], saved[5]
         torch.set_float32_matmul_precision(saved[2])
         launch.FORWARD_OVERRIDES.clear(), launch.FORWARD_OVERRIDES.update(saved[3])
         launch.BACKWARD_OVERRIDES.clear(), launch.BACKWARD_OVERRIDES.update(saved[4])
@@ -161,7 +166,7 @@ def record_launches(case: Case, sms: int) -> list:
     """The (kernel, grid, tensors, scalars, meta) of every launch the library makes for ``case``."""
     queries, documents, qmask, dmask = case.build()
     p = _layout.canonicalize(queries, documents, qmask, dmask, masked=case.masked, smooth_tau=case.smooth_tau)
-    with _recording(sms, case) as calls:
+    with launches_recorded(sms, case.fp32_precision, case.forward_overrides, case.backward_overrides) as calls:
         _, aux = launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
                                 case.masked == "zero", case.smooth_tau, case.training, p.max_length,
                                 p.document_scales)

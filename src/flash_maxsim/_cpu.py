@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ._layout import aux_dtype
+
 BLOCK_ELEMENTS = 1 << 24
 
 
@@ -92,10 +94,8 @@ def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
     device = p.queries.device
     scores = torch.zeros(Nq, C, dtype=torch.float32, device=device)
     smooth = smooth_tau is not None
-    if save_aux:
-        aux = torch.empty(Nq, C, Lq, dtype=torch.float32 if smooth else torch.int32, device=device)
-    else:
-        aux = torch.empty(0, 0, 0, dtype=torch.int32, device=device)
+    aux = torch.empty((Nq, C, Lq) if save_aux else (0, 0, 0), dtype=aux_dtype(smooth_tau, p.max_length),
+                      device=device)
     for qs, cs, t0, t1 in _blocks(p):
         D, in_doc, valid, _ = _document_block(p, t0, t1)
         s, valid_b = _similarities(p, qs, D, in_doc, valid, zero_masked)
@@ -115,7 +115,7 @@ def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
                 hit_valid = torch.gather(valid_b.expand(*s.shape[:2], 1, s.shape[-1]).expand_as(s), -1,
                                          arg[..., None])[..., 0]
                 keep = ~empty & qvalid & hit_valid
-                aux[qs, cs] = torch.where(keep, arg, -1).to(torch.int32)
+                aux[qs, cs] = torch.where(keep, arg, -1).to(aux.dtype)
         scores[qs, cs] = row.sum(-1)
     return scores, aux
 

@@ -55,6 +55,15 @@ class Problem:
         return self.documents.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
 
 
+def aux_dtype(smooth_tau, max_length: int) -> torch.dtype:
+    """dtype of the state the forward saves for the backward, per (query, document, query token): the row's
+    log-sum-exp (smooth max, fp32) or the arg-max token index (hard max; -1 = no gradient), int16 while every
+    index fits (documents of at most 32767 tokens: half the memory), int32 beyond."""
+    if smooth_tau is not None:
+        return torch.float32
+    return torch.int16 if max_length <= 32767 else torch.int32
+
+
 def _shape(x) -> str:
     return "x".join(str(s) for s in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _cpu
-from ._layout import Problem
+from ._layout import Problem, aux_dtype
 from .kernels import launch
 
 _LIB = "flash_maxsim"
@@ -56,10 +56,6 @@ def _problem(queries, documents, queries_mask, documents_mask, offsets, max_leng
                    document_scales)
 
 
-def _aux_dtype(smooth_tau):
-    return torch.float32 if smooth_tau is not None else torch.int32
-
-
 def _num_columns(documents, offsets, candidates) -> int:
     if candidates:
         return candidates
@@ -76,7 +72,7 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
         fill = float("inf") if smooth_tau is not None else -1
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
-                torch.full((Nq, C, Lq), fill, dtype=_aux_dtype(smooth_tau), device=queries.device)
+                torch.full((Nq, C, Lq), fill, dtype=aux_dtype(smooth_tau, max_length), device=queries.device)
                 if save_aux else None)
     if _use_triton(queries):
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
@@ -101,7 +97,7 @@ def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor
     scores, aux = forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
                                zero_masked, smooth_tau, save_aux, document_scales)
     # an op returns tensors: an empty one when nothing was saved
-    return scores, (aux if aux is not None else queries.new_empty((0, 0, 0), dtype=_aux_dtype(smooth_tau)))
+    return scores, (aux if aux is not None else queries.new_empty((0, 0, 0), dtype=aux_dtype(smooth_tau, max_length)))
 
 
 @maxsim_fwd.register_fake
@@ -111,7 +107,7 @@ def _(queries, documents, queries_mask, documents_mask, offsets, max_length, can
     C = _num_columns(documents, offsets, candidates)
     aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
     return (queries.new_empty((Nq, C), dtype=torch.float32),
-            queries.new_empty(aux_shape, dtype=_aux_dtype(smooth_tau)))
+            queries.new_empty(aux_shape, dtype=aux_dtype(smooth_tau, max_length)))
 
 
 def backward_impl(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux, candidates,
@@ -156,6 +152,8 @@ def _(grad, queries, documents, queries_mask, documents_mask, offsets, max_lengt
 def _setup_context(ctx, inputs, output):
     queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, _, smooth_tau, save_aux = inputs[:10]
     _, aux = output
+    # no zero-filled gradient for the aux output, which nothing differentiates (it would be as large as aux)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(queries, documents, queries_mask, documents_mask, offsets, aux)
     ctx.max_length, ctx.candidates, ctx.smooth_tau, ctx.save_aux = max_length, candidates, smooth_tau, save_aux
 
@@ -163,7 +161,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_scores, _grad_aux):
     queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_q or need_d):
+    if not (need_q or need_d) or grad_scores is None:
         return (None,) * 11
     if not ctx.save_aux:
         raise RuntimeError("flash_maxsim: the forward ran with save_aux=False (no gradient expected); "
@@ -188,12 +186,16 @@ class _EagerMaxSim(torch.autograd.Function):
         ctx.save_for_backward(queries, documents, queries_mask, documents_mask, offsets, aux)
         ctx.max_length, ctx.candidates, ctx.smooth_tau = max_length, candidates, smooth_tau
         ctx.mark_non_differentiable(aux)
+        # no zero-filled gradient for aux ([Nq, C, Lq]: 8 MiB of a ColPali B256 step's peak)
+        ctx.set_materialize_grads(False)
         return scores, aux
 
     @staticmethod
     def backward(ctx, grad_scores, _grad_aux):
         queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_scores is None:
+            return (None,) * 9
         dq, dd = backward_impl(grad_scores, queries, documents, queries_mask, documents_mask, offsets,
                                ctx.max_length, aux, ctx.candidates, ctx.smooth_tau, need_q, need_d, False)
         return (dq if need_q else None), (dd if need_d else None), None, None, None, None, None, None, None

@@ -87,7 +87,7 @@ def test_backward_is_deterministic(backend, device, smooth_tau, layout, seed):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("smooth_tau, aux_dtype", [(None, torch.int32), (0.5, torch.float32)])
+@pytest.mark.parametrize("smooth_tau, aux_dtype", [(None, torch.int16), (0.5, torch.float32)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_saved_state_is_per_query_token_not_per_similarity(layout, smooth_tau, aux_dtype, seed):
     Nq, C, Lq, Ld, d = 3, 4, 16, 16, 1
@@ -118,7 +118,7 @@ def test_forward_op_returns_aux_only_when_asked(save_aux, smooth_tau, seed):
     assert scores.shape == (3, 4) and scores.dtype == torch.float32
     if save_aux:
         assert aux.shape == (3, 4, 5)
-        assert aux.dtype == (torch.int32 if smooth_tau is None else torch.float32)
+        assert aux.dtype == (torch.int16 if smooth_tau is None else torch.float32)
     else:
         assert aux.numel() == 0
 
@@ -128,3 +128,26 @@ def test_no_gradient_needed_keeps_no_aux(seed):
     with force_backend("torch"):
         out = case.run(flash_maxsim.maxsim, case.leaves())
     assert out.grad_fn is None and not out.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_arg_max_past_int16_range_in_documents_over_32767_tokens(backend, seed):
+    """The saved arg-max is int16 up to 32767 document tokens and int32 beyond, where the arg-max token (the
+    last one here) and its gradient must come out right. The kernels on the GPU only: interpreted, 40k-token
+    documents take minutes (every interpreted training test saves an int16 arg-max)."""
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    for Ld, want in ((32767, torch.int16), (40000, torch.int32)):
+        q = torch.randn(1, 2, 16, generator=g).to(device)
+        docs = (torch.randn(1, Ld, 16, generator=g) * 0.01).to(device)
+        docs[0, -1] = q[0, 0] * 3            # query token 0 peaks at the last document token
+        with force_backend(backend):
+            scores, aux = torch.ops.flash_maxsim.maxsim_fwd(q, docs, None, None, None, Ld, 0, False, None, True)
+        assert aux.dtype == want
+        assert int(aux[0, 0, 0]) == Ld - 1
+        d = docs.clone().requires_grad_()
+        with force_backend(backend):
+            flash_maxsim.maxsim(q, d).sum().backward()
+        assert torch.equal(d.grad[0, -1], q[0, 0] + (q[0, 1] if int(aux[0, 0, 1]) == Ld - 1 else 0))

@@ -184,7 +184,7 @@ def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
     assert scores.shape == (2, 5) and aux is None
     assert launched[-1][6] is queries                       # AUX: the stand-in, never read
     scores, aux = launch.forward(queries, documents, None, None, None, 0, False, smooth_tau, True)
-    assert aux.shape == (2, 5, 8) and aux.dtype == (torch.int32 if smooth_tau is None else torch.float32)
+    assert aux.shape == (2, 5, 8) and aux.dtype == (torch.int16 if smooth_tau is None else torch.float32)
     assert launched[-1][6] is aux
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 2)
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
@@ -213,7 +213,7 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
 
     monkeypatch.setattr(launch._launcher, "launch", record)
     queries, documents = torch.randn(2, 8, 32), torch.randn(64, 40, 32)
-    aux = torch.zeros(2, 64, 8, dtype=torch.int32)
+    aux = torch.zeros(2, 64, 8, dtype=torch.int16)
     grad = torch.randn(2, 64)
     dq, dd = launch.backward(grad, queries, documents, None, None, None, 40, aux, 0, None, True, True)
     assert partials[-1] == "dd launched" and dq.shape == queries.shape and dd.shape == documents.shape

@@ -9,7 +9,7 @@ Canonical inputs (see ``flash_maxsim._layout``):
 
 Memory: scores ``[Nq, C]`` fp32, plus ``[n_splits, Nq, C]`` partial sums when a query is longer than one
 tile (deterministic two-stage sum), plus, only when a gradient will be taken, ``aux`` ``[Nq, C, Lq]``
-(int32 arg-max or fp32 log-sum-exp). Nothing scales with Lq*Ld.
+(arg-max int16, int32 for documents over 32767 tokens, or fp32 log-sum-exp). Nothing scales with Lq*Ld.
 """
 
 import math
@@ -17,6 +17,7 @@ import math
 import torch
 
 from . import _launcher
+from .._layout import aux_dtype
 from .backward import maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
 from .forward import maxsim_fwd_kernel
 
@@ -204,7 +205,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     else:
         plan.scores_shape = (Nq, C) if n_splits == 1 else (n_splits, Nq, C)
         plan.aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
-        plan.aux_dtype = torch.float32 if smooth else torch.int32
+        plan.aux_dtype = aux_dtype(smooth_tau, max_len)
         so = (0,) + _contiguous_strides(plan.scores_shape) if n_splits == 1 else _contiguous_strides(plan.scores_shape)
         sa = _contiguous_strides(plan.aux_shape) if save_aux else (0, 0, 0)
         sr = (0, 0, 0, 0)

@@ -1,0 +1,69 @@
+"""Memory of the GPU path's training step, on this GPU-less machine: benchmarks/offline_memory.py runs the CUDA
+host code with the kernels not run and tracks every allocation (validated against the device's
+max_memory_allocated to within 0.7 MiB on bench.py's training rows). What the tests hold it to: the peak of a
+step is its outputs (scores, both gradients) plus the saved per-(query, document, query token) state plus the
+loss's own [Nq, C] temporaries, and nothing grows with Nq * B * Lq * Ld."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs  # noqa: E402
+
+
+def _expected_mib(step: TrainingStep, elem=2):
+    """The larger of the two phases of the backward: dQ (its fp32 column-split partial sums, at most
+    max(8 MiB, the fp32 dQ), and their sum) and dD (the documents' gradient, with dQ done)."""
+    C = step.B
+    n_docs = step.Nq * step.B if step.kd else step.B
+    scores, loss_temporaries = step.Nq * C * 4, 3 * step.Nq * C * 4 + 4096
+    saved = step.Nq * C * step.Lq * (4 if step.smooth_tau is not None else 2)      # int16 arg-max / fp32 lse
+    dq, dq_fp32 = step.Nq * step.Lq * step.d * elem, step.Nq * step.Lq * step.d * 4
+    dd = n_docs * step.Ld * step.d * elem
+    dq_phase = scores + loss_temporaries + saved + max(8 * MiB, dq_fp32) + dq_fp32 + dq
+    dd_phase = scores + loss_temporaries + saved + dq + dd
+    return max(dq_phase, dd_phase) / MiB
+
+
+def test_tracker_counts_what_is_alive_at_the_peak():
+    def fn():
+        a = torch.empty(3 * MiB, dtype=torch.uint8)
+        b = torch.empty(5 * MiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(1 * MiB, dtype=torch.uint8)
+        view = b[: MiB]                               # a view allocates nothing
+        return b, c, view
+    peak, live = peak_above_inputs(fn, ())
+    assert peak == pytest.approx(8.0)
+    assert sorted(entry[-1] for entry in live) == [3.0, 5.0]
+
+
+@pytest.mark.parametrize("step", TRAINING_STEPS, ids=lambda s: s.name.split(",")[0])
+def test_training_step_peak_is_outputs_plus_saved_state(step):
+    fn, inputs = step.build()
+    peak, live = peak_above_inputs(fn, inputs)
+    assert peak <= _expected_mib(step), live
+    # the peak is reached while the documents' gradient exists: it is the step's largest allocation
+    n_docs = step.Nq * step.B if step.kd else step.B
+    assert peak >= n_docs * step.Ld * step.d * 2 / MiB
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.1])
+def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
+    """Doubling Ld adds exactly the documents' gradient; doubling Lq adds the queries' gradient and the saved
+    state; doubling both adds their sum, not a term in Lq * Ld. (Documents long enough for the peak to be in
+    the dD phase in all four.)"""
+    def peak(Lq, Ld):
+        fn, inputs = TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau).build()
+        return peak_above_inputs(fn, inputs)[0]
+    base = peak(32, 3000)
+    more_ld = peak(32, 6000) - base
+    more_lq = peak(64, 3000) - base
+    both = peak(64, 6000) - base
+    assert more_ld == pytest.approx(16 * 3000 * 64 * 2 / MiB, abs=1e-3)
+    assert more_lq == pytest.approx(16 * 32 * 64 * 2 / MiB + 16 * 16 * 32 * (2 if smooth_tau is None else 4) / MiB,
+                                    abs=1e-3)
+    assert both == pytest.approx(more_ld + more_lq, abs=1e-3)
