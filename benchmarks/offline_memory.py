@@ -43,6 +43,7 @@ class AllocationTracker(TorchDispatchMode):
         self._ignored = {t.untyped_storage().data_ptr() for t in existing}
         self._users: dict = {}          # storage pointer -> live tensors using it
         self._bytes: dict = {}
+        self._made_by: dict = {}        # storage pointer -> (op, shape, dtype) of its first tensor
         self.current = 0
         self.peak = 0
         self.live_at_peak: list = []    # (op, shape, dtype, MiB) of every storage alive at the peak
@@ -51,7 +52,7 @@ class AllocationTracker(TorchDispatchMode):
         self._users[key] -= 1
         if self._users[key] == 0:
             self.current -= self._bytes.pop(key)
-            del self._users[key]
+            del self._users[key], self._made_by[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -66,7 +67,6 @@ class AllocationTracker(TorchDispatchMode):
                 self._users[key] = 0
                 self._bytes[key] = storage.nbytes()
                 self.current += storage.nbytes()
-                self._made_by = getattr(self, "_made_by", {})
                 self._made_by[key] = (func.__name__, tuple(t.shape), str(t.dtype).replace("torch.", ""))
                 if self.current > self.peak:
                     self.peak = self.current

@@ -50,9 +50,14 @@ class Problem:
 
     @property
     def num_columns(self) -> int:
-        if self.candidates:
-            return self.candidates
-        return self.documents.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
+        return num_columns(self.documents, self.offsets, self.candidates)
+
+
+def num_columns(documents, offsets, candidates: int) -> int:
+    """Score columns per query: K candidates, else the number of documents (padded or packed)."""
+    if candidates:
+        return candidates
+    return documents.shape[0] if offsets is None else offsets.shape[0] - 1
 
 
 def aux_dtype(smooth_tau, max_length: int) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _cpu
-from ._layout import Problem, aux_dtype
+from ._layout import Problem, aux_dtype, num_columns
 from .kernels import launch
 
 _LIB = "flash_maxsim"
@@ -56,19 +56,13 @@ def _problem(queries, documents, queries_mask, documents_mask, offsets, max_leng
                    document_scales)
 
 
-def _num_columns(documents, offsets, candidates) -> int:
-    if candidates:
-        return candidates
-    return documents.shape[0] if offsets is None else offsets.shape[0] - 1
-
-
 def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
                  zero_masked, smooth_tau, save_aux, document_scales=None):
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``; None when
     ``save_aux`` is False). ``document_scales`` (fp32, shaped like a documents mask) marks int8/fp8 documents:
     D = scale * values."""
     Nq, Lq, _ = queries.shape
-    C = _num_columns(documents, offsets, candidates)
+    C = num_columns(documents, offsets, candidates)
     if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
         fill = float("inf") if smooth_tau is not None else -1
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
@@ -104,7 +98,7 @@ def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor
 def _(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, zero_masked,
       smooth_tau, save_aux, document_scales=None):
     Nq, Lq, _ = queries.shape
-    C = _num_columns(documents, offsets, candidates)
+    C = num_columns(documents, offsets, candidates)
     aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
     return (queries.new_empty((Nq, C), dtype=torch.float32),
             queries.new_empty(aux_shape, dtype=aux_dtype(smooth_tau, max_length)))

@@ -9,6 +9,8 @@ from flash_maxsim import reference
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
+from .helpers import make_case
+
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or launch.interpreting()),
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
@@ -27,6 +29,14 @@ def _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau):
             got = fm.maxsim(q, docs, qmask, dmask, masked=masked, smooth_tau=smooth_tau)
             want = reference.maxsim(q.double(), docs.double(), qmask, dmask, masked=masked, smooth_tau=smooth_tau)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _masked_padded_problem(Nq, Lq, B, Ld, d, query_keep, doc_keep, seed):
+    """(queries, documents, queries_mask, documents_mask), random, with one fully masked document."""
+    case = make_case(layout="padded", Nq=Nq, C=B, Lq=Lq, Ld=Ld, d=d, query_mask_keep=query_keep,
+                     doc_mask_keep=doc_keep, fully_masked_doc=True, seed=seed, requires_grad=False,
+                     device="cuda" if torch.cuda.is_available() else "cpu")
+    return case.queries, case.documents[0], case.queries_mask, case.documents_mask
 
 
 def _grads(q, docs, **kw):
@@ -60,14 +70,7 @@ def test_sparse_hard_max_document_gradient(overrides, layout):
 @pytest.mark.parametrize("smooth_tau", [None, 0.3])
 def test_document_token_split_forward(overrides, smooth_tau):
     overrides.FORWARD_OVERRIDES["DSPLIT"] = 3
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(12)
-    q = torch.randn(2, 5, 16, generator=g).to(dev)
-    docs = torch.randn(3, 200, 16, generator=g).to(dev)
-    qmask = (torch.rand(2, 5, generator=g) > 0.3).to(dev)
-    dmask = (torch.rand(3, 200, generator=g) > 0.5).to(dev)
-    dmask[1] = False
-    _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau)
+    _assert_forward_matches_reference(*_masked_padded_problem(2, 5, 3, 200, 16, 0.7, 0.5, seed=12), smooth_tau)
 
 
 def test_query_gradient_column_split(overrides):
@@ -149,14 +152,7 @@ def test_several_documents_per_program(overrides, smooth_tau, monkeypatch):
     tile), an all-masked document, a second query block and a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     overrides.FORWARD_OVERRIDES.update(DOCS=3, BLOCK_N=16, ROWS=16)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(16)
-    q = torch.randn(3, 20, 16, generator=g).to(dev)
-    docs = torch.randn(7, 50, 16, generator=g).to(dev)
-    qmask = (torch.rand(3, 20, generator=g) > 0.2).to(dev)
-    dmask = (torch.rand(7, 50, generator=g) > 0.4).to(dev)
-    dmask[4] = False
-    _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau)
+    _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, 50, 16, 0.8, 0.6, seed=16), smooth_tau)
     plans = list(launch._FORWARD_PLANS.values())
     # 3 groups of documents x 3 queries x 2 row tiles
     assert plans and all(p.meta["DOCS"] == 3 and p.grid == (3 * 3 * 2,) for p in plans)

@@ -198,13 +198,13 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if row_out:
         # per-row states of each document-token slice, combined by _combine_token_slices
         plan.scores_shape = (n_ds, Nq, C, Lq)
-        plan.aux_shape = (n_ds, Nq, C, Lq) if smooth else (0, 0, 0, 0)
+        plan.aux_shape = (n_ds, Nq, C, Lq) if smooth else None
         plan.aux_dtype = torch.float32
         so = sa = (0, 0, 0)
         sr = _contiguous_strides(plan.scores_shape)
     else:
         plan.scores_shape = (Nq, C) if n_splits == 1 else (n_splits, Nq, C)
-        plan.aux_shape = (Nq, C, Lq) if save_aux else (0, 0, 0)
+        plan.aux_shape = (Nq, C, Lq) if save_aux else None
         plan.aux_dtype = aux_dtype(smooth_tau, max_len)
         so = (0,) + _contiguous_strides(plan.scores_shape) if n_splits == 1 else _contiguous_strides(plan.scores_shape)
         sa = _contiguous_strides(plan.aux_shape) if save_aux else (0, 0, 0)
@@ -265,10 +265,9 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                                                    document_scales)
     scores = torch.empty(plan.scores_shape, dtype=torch.float32, device=device)
     dummy = _dummy(queries)
-    # no aux tensor when nothing is saved (a smooth max split over document tokens keeps its row sums there):
-    # an allocation costs ~3 us of host time, a tenth of a small scoring call's
-    aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device) \
-        if save_aux or (plan.row_out and smooth_tau is not None) else None
+    # no aux tensor when the kernel writes none (an allocation costs ~3 us of host time, a tenth of a small
+    # scoring call's)
+    aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device) if plan.aux_shape is not None else None
     tensors = (queries, documents,
                queries_mask if queries_mask is not None else dummy,
                documents_mask if documents_mask is not None else dummy,
