@@ -141,16 +141,31 @@ BANDWIDTH_ROWS = [(1, 1000, 32, 300, 128), (1, 10000, 32, 300, 128), (1, 10000, 
 # all slower on the first two rows (docs/perf-notes.md)
 # session 5: several documents per program (one loop over all their tiles), score written by a branch or a mask
 BANDWIDTH_SWEEP = [{}, {"DOCS": 2}, {"DOCS": 4}]
+# session 7: the 32x1030 row trailed flash-maxsim 0.3.0 by 0.3% in every round (run 11: 0.596 vs 0.594 ms), whose
+# autotuner also tries 16/32-token tiles on 2 warps. (Run 12 also tried the document loads with
+# eviction_policy="evict_first": 0.5826 vs 0.5824 ms, no gain; the constexpr was removed again.)
+BANDWIDTH_SWEEP_WIDE = BANDWIDTH_SWEEP + [
+    {"num_warps": 2}, {"BLOCK_N": 32}, {"BLOCK_N": 32, "num_warps": 2},
+    {"BLOCK_N": 32, "num_stages": 4}, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}, {"num_stages": 4},
+    {"num_stages": 2}, {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_warps": 8}, {"PEEL_TAIL": True}]
+# the wide sweep's outcome (run 12, 32x1030): 2 warps 0.580 ms unmasked (peers 0.581 / 0.582, 4 warps 0.582) and
+# 0.598 masked (4 warps 0.630); the "warps" list below checked it on every bandwidth row (run 12, second call)
+BANDWIDTH_SWEEP_WARPS = [{"num_warps": 4}, {"num_warps": 2}, {"num_warps": 2, "num_stages": 4},
+                         {"num_warps": 2, "BLOCK_N": 32}, {"num_warps": 2, "DOCS": 2}]
+BANDWIDTH_VARIANTS = {"default": BANDWIDTH_SWEEP, "wide": BANDWIDTH_SWEEP_WIDE, "warps": BANDWIDTH_SWEEP_WARPS}
 
 
-def bandwidth_rows(dev, rounds=3):
+def bandwidth_rows(dev, rounds=3, only="", variants="default"):
     """The one-query, bandwidth-bound rows (issue 2's closest to the peers): tile variants and both peers' forward,
     timed in interleaved rounds so that clock drift hits every entry alike; median of the rounds' medians."""
     import statistics
 
     from _peers import PEER_KEYS, load_peers
     peers, _ = load_peers(PEER_KEYS)
+    variants = BANDWIDTH_VARIANTS[variants]
     for Nq, B, Lq, Ld, d in BANDWIDTH_ROWS:
+        if only and only != f"{Lq}x{Ld}":
+            continue
         q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
         docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
         # right padding, as real batches have: what a per-tile mask load costs on top of the vectors
@@ -158,9 +173,9 @@ def bandwidth_rows(dev, rounds=3):
         mask = torch.arange(Ld, device=dev)[None, :] < lengths
         entries = {}
         for _ in range(rounds):
-            for t, v in forward_sweep(lambda: fm.maxsim(q, docs), BANDWIDTH_SWEEP):
+            for t, v in forward_sweep(lambda: fm.maxsim(q, docs), variants):
                 entries.setdefault(f"ours {v}", []).append(t)
-            for t, v in forward_sweep(lambda: fm.maxsim(q, docs, documents_mask=mask), BANDWIDTH_SWEEP):
+            for t, v in forward_sweep(lambda: fm.maxsim(q, docs, documents_mask=mask), variants):
                 entries.setdefault(f"ours masked {v}", []).append(t)
             for peer in peers:
                 for name, fn in peer.forward_variants(q, docs):
@@ -199,7 +214,10 @@ def forward_table(dev, quick, sweep):
 TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "sparse"}}, {"fwd": {"num_stages": 3}},
                {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"ROWS": 256, "num_warps": 8, "num_stages": 3}},
                {"bwd": {"DD_BLOCK_N": 128}}, {"bwd": {"DD_BLOCK_N": 128, "DD_WARPS": 8}},
-               {"bwd": {"DD_STAGES": 3}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DQ_STAGES": 3}}]
+               {"bwd": {"DD_STAGES": 3}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DQ_STAGES": 3}},
+               # session 7: the training forward (arg-max saved) runs at ~270 TFLOP/s at B256, scoring at ~600
+               {"fwd": {"num_warps": 8}}, {"fwd": {"BLOCK_N": 128}}, {"fwd": {"BLOCK_N": 128, "num_warps": 8}},
+               {"fwd": {"ROWS": 256, "num_warps": 8, "BLOCK_N": 32}}]
 
 
 def train_table(dev, sweep=False):
@@ -278,7 +296,11 @@ def fp32_table(dev):
 _CONVERT = {"INT8_PRODUCTS": False}
 INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
               # int8 x int8 tensor-core products (the default), the query quantised per token in the kernel
-              {"DOCS": 1}, {"DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64}, {"num_stages": 4}]
+              {"DOCS": 1}, {"DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64}, {"num_stages": 4},
+              # session 7: 2 warps (the bf16 bandwidth rows' gain); several documents per program on the
+              # compute-bound row too (run 11: 1024x1024 DOCS=2 5.26 vs 5.88 ms)
+              {"num_warps": 2}, {"num_warps": 2, "DOCS": 1}, {"num_warps": 2, "DOCS": 2}, {"DOCS": 4},
+              {"DOCS": 2, "num_stages": 4}, {"DOCS": 2, "num_warps": 8}]
 
 def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "DOCS")):
     """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which
@@ -379,7 +401,7 @@ def host_table(dev):
 def profile_steps(dev):
     from torch.profiler import ProfilerActivity, profile
     for name, Nq, B, Ld, tau in (("colpali B256", 256, 256, 1030, None), ("smooth B128", 128, 128, 1030, 0.1),
-                                 ("colbert B128", 128, 128, 300, None)):
+                                 ("colbert B128", 128, 128, 300, None), ("colpali B64", 64, 64, 1030, None)):
         q = torch.randn(Nq, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
         docs = torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
         labels = torch.arange(Nq, device=dev) % B
@@ -393,8 +415,13 @@ def profile_steps(dev):
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        print(f"--- {name} (5 steps)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+        events = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in events) / 5 / 1e3
+        launches = sum(e.count for e in events if e.self_device_time_total > 0) / 5
+        step_ms = bench(step)
+        # a step slower than its kernels' sum is host-bound (launch gaps), not GPU-bound
+        print(f"--- {name} (5 steps): step {step_ms:.3f} ms, kernels {gpu_ms:.3f} ms in {launches:.0f} launches")
+        print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
 def main():
@@ -413,6 +440,9 @@ def main():
     ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
     ap.add_argument("--bandwidth", action="store_true",
                     help="one-query bandwidth-bound rows: tile variants against both peers, interleaved")
+    ap.add_argument("--bandwidth-only", default="", help="with --bandwidth: only this row, as LqxLd (e.g. 32x1030)")
+    ap.add_argument("--bandwidth-variants", choices=sorted(BANDWIDTH_VARIANTS), default="default",
+                    help="with --bandwidth: which tile variants")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
@@ -428,7 +458,7 @@ def main():
     if args.fp32:
         fp32_table(dev)
     if args.bandwidth:
-        bandwidth_rows(dev)
+        bandwidth_rows(dev, only=args.bandwidth_only, variants=args.bandwidth_variants)
         torch.set_float32_matmul_precision("highest")
     fwd = [] if args.no_forward else forward_table(dev, args.quick, args.fwd_sweep)
     trn = [] if args.no_train else train_table(dev, args.sweep)

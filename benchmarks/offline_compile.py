@@ -92,6 +92,7 @@ def _ragged(lengths, d, dt=BF16):
 CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
     Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
+    Case("bf16 1x2k 32x300 (streaming on 2 warps)", lambda: (_q(1, 32, 128), _docs(2000, 300, 128), None, None)),
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
     Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
@@ -113,6 +114,8 @@ CASES = [
                                                                 None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
+    Case("int8 d=16 (products over 32 zero-padded features)", lambda: (_q(3, 4, 16), _quantized(7, 9, 16),
+                                                                      None, None)),
     Case("int8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128), None, None),
          forward_overrides={"INT8_PRODUCTS": False}),
     Case("int8 d=384 (converted)", lambda: (_q(1, 32, 384), _quantized(1000, 180, 384), None, None)),

@@ -3,7 +3,9 @@ kernel launches recorded instead of run (``offline_compile.launches_recorded``),
 a function runs is tracked (a ``TorchDispatchMode``: each new storage counts from its first op until its last
 tensor dies), so the peak above the inputs is what ``torch.cuda.max_memory_allocated`` would report, up to the
 caching allocator's rounding. Validated against the device: on bench.py's training steps the model gave 22.5,
-54.3, 25.6, 90.9 and 309.5 MiB for the code of run 10, which measured 22.50, 54.25, 25.63, 91.63 and 309.53.
+54.3, 25.6, 90.9 and 309.5 MiB for the code of run 10, which measured 22.50, 54.25, 25.63, 91.63 and 309.53; and,
+predicted before any device run, 12.1, 40.3, 16.9, 70.9, 35.3 and 300.8 MiB for session 6's code, which run 13
+measured as 12.3, 40.3, 16.9, 70.9, 35.3 and 300.8.
 
     python benchmarks/offline_memory.py [--results benchmarks/results/results.json]
 

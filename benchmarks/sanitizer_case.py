@@ -61,9 +61,21 @@ def main():
         finally:
             launch.FORWARD_OVERRIDES.pop("INT8_PRODUCTS")
         check("int8 converted", got, reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
-        index = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf))     # 4 documents per program
-        check("int8 grouped", fm.maxsim(q2[:1], index),
+        # 4 documents per program (forced: the default takes it from 16 documents per SM): the bandwidth-bound
+        # grid, and the compute-bound one with the query's tokens split over programs (300 tokens, 3 splits of
+        # 128 rows; 11 documents: programs of 4, 4 and 3) at d = 16 (features zero-padded to 32)
+        index = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf))
+        narrow = fm.quantize(torch.randn(11, 70, 16, device=dev, dtype=bf))
+        long_q16 = torch.randn(2, 300, 16, device=dev, dtype=bf)
+        launch.FORWARD_OVERRIDES["DOCS"] = 4
+        try:
+            grouped, grouped_split = fm.maxsim(q2[:1], index), fm.maxsim(long_q16, narrow)
+        finally:
+            launch.FORWARD_OVERRIDES.pop("DOCS")
+        check("int8 grouped", grouped,
               reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
+        check("int8 grouped, query split", grouped_split,
+              reference.maxsim(queries_as_scored(long_q16, narrow).double(), narrow.dequantize(torch.float64)), 1e-5)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -40,19 +40,29 @@ def _masked_padded_problem(Nq, Lq, B, Ld, d, query_keep, doc_keep, seed):
 
 
 def _grads(q, docs, **kw):
-    q = q.detach().requires_grad_()
-    d = docs.detach().requires_grad_()
+    """Scores and both gradients, ours and the float64 reference's; ``docs`` a tensor or a list of documents
+    (their gradients concatenated)."""
+    listed = isinstance(docs, list)
+
+    def leaf(x, dtype=None):
+        return x.detach().to(dtype).requires_grad_()
+
+    def leaves(x, dtype=None):
+        return [leaf(t, dtype) for t in x] if listed else leaf(x, dtype)
+
+    def grad_of(x):
+        return torch.cat([t.grad for t in x]) if listed else x.grad
+    q, d = leaf(q), leaves(docs)
     out = fm.maxsim(q, d, **kw)
     g = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
     (out * g).sum().backward()
-    q64 = q.detach().double().requires_grad_()
-    d64 = d.detach().double().requires_grad_()
+    q64, d64 = leaf(q, torch.float64), leaves(d, torch.float64)
     ref = reference.maxsim(q64, d64, **kw)
     (ref * g.double()).sum().backward()
-    return out, ref, q.grad, q64.grad, d.grad, d64.grad
+    return out, ref, q.grad, q64.grad, grad_of(d), grad_of(d64)
 
 
-@pytest.mark.parametrize("layout", ["in-batch", "candidates"])
+@pytest.mark.parametrize("layout", ["in-batch", "candidates", "packed"])
 def test_sparse_hard_max_document_gradient(overrides, layout):
     overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "sparse"
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,6 +70,8 @@ def test_sparse_hard_max_document_gradient(overrides, layout):
     q = torch.randn(3, 6, 16, generator=g).to(dev)
     docs = torch.randn(*((3, 2, 9, 16) if layout == "candidates" else (4, 9, 16)), generator=g).to(dev)
     mask = (torch.rand(docs.shape[:-1], generator=g) > 0.3).to(dev)
+    if layout == "packed":
+        docs, mask = [docs[0], docs[1, :4], docs[2, :1], docs[3]], [mask[0], mask[1, :4], mask[2, :1], mask[3]]
     with force_backend("triton"):
         out, ref, gq, gq64, gd, gd64 = _grads(q, docs, documents_mask=mask, masked="zero")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

@@ -155,14 +155,43 @@ def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch)
     assert launch.forward_config(4, 8, 32, 300, 128, True, True)["PEEL_TAIL"] is True
 
 
-def test_several_documents_per_program_only_for_int8_products_over_many_documents():
-    """4 documents per program where it was measured: int8 products, one query's bandwidth-bound scoring, at
-    least 16 documents per SM; bf16 documents, a few documents or many query tokens keep one per program."""
+def test_several_documents_per_program_only_for_int8_products_over_many_documents(monkeypatch):
+    """4 documents per program where it was measured: int8 products, one query's bandwidth-bound scoring over at
+    least 16 documents per SM, or compute-bound scoring (long queries, many programs); bf16 documents, a few
+    documents and training keep one per program."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
     many = 16 * launch._sm_count()
     assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 4
     assert launch.forward_config(1, many - 1, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
     assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, False)["DOCS"] == 1
-    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
+    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 4
+    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, False)["DOCS"] == 1
+    assert launch.forward_config(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
+
+
+def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):
+    """Run 12: 2 warps where each document token meets at most 32 query tokens, d <= 256, one program per
+    document and at least 2^19 streamed tokens; 4 below that, for d = 384 and for the training forward; the
+    document-token split keeps its 8."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    fc = launch.forward_config
+    assert fc(1, 10000, 32, 1030, 128, False, False)["num_warps"] == 2
+    assert fc(1, 5000, 31, 257, 96, False, False)["num_warps"] == 2
+    assert fc(1, 1000, 32, 1024, 128, False, False)["num_warps"] == 2
+    assert fc(64, 30, 32, 300, 128, True, False)["num_warps"] == 2                 # per-query candidates
+    assert fc(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True)["num_warps"] == 2   # int8 products
+    assert fc(1, 1000, 32, 300, 128, False, False)["num_warps"] == 4
+    assert fc(1, 10000, 32, 180, 384, False, False)["num_warps"] == 4
+    assert fc(1, 10000, 32, 300, 128, False, True)["num_warps"] == 4
+    assert fc(1, 100, 32, 8192, 128, False, False)["num_warps"] == 8
+
+
+@pytest.mark.parametrize("d", [1, 16, 24, 32, 96, 256])
+def test_int8_products_reduce_over_at_least_32_features(d):
+    """Triton's int8 tl.dot needs K >= 32 on the GPU (run 11: d = 16 failed to compile; the interpreter does
+    not check): narrower feature axes are zero-padded to 32, in one chunk."""
+    cfg = launch.forward_config(1, 100, 32, 300, d, False, False, torch.bfloat16, True)
+    assert cfg["BLOCK_D"] >= max(32, d) and cfg["D_CHUNKS"] == 1
 
 
 def test_fp32_cuda_core_scoring_runs_on_four_warps(highest_fp32_precision):
@@ -219,3 +248,4 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     assert partials[-1] == "dd launched" and dq.shape == queries.shape and dd.shape == documents.shape
     splits = launch._dq_column_splits(1, 64, 2 * 8 * 32 * 4, 8 << 20)
     assert splits > 1          # the case above does split the column loop
+

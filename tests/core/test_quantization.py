@@ -130,6 +130,35 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("smooth", [None, 0.3])
+def test_int8_products_several_documents_per_program_with_query_splits(smooth, monkeypatch, seed):
+    """What compute-bound int8 scoring launches (session 7): several documents per program while the query's
+    tokens are split over programs (here 16-row tiles: 3 splits of a 40-token query; 5 documents in programs of
+    3 and 2), each split quantising its rows once for all its documents; d = 16 is zero-padded to 32 features."""
+    from flash_maxsim.kernels import launch
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 40, 16, generator=g).to(dev, torch.bfloat16)
+    qm = (torch.rand(2, 40, generator=g) > 0.2).to(dev)
+    docs = torch.randn(5, 70, 16, generator=g).to(dev)
+    dm = (torch.rand(5, 70, generator=g) > 0.3).to(dev)
+    dm[3] = False
+    index = fm.quantize(docs, dm)
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "ROWS", 16)
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)
+    with force_backend("triton"):
+        got = fm.maxsim(q, index, qm, smooth_tau=smooth)
+    (plan,) = launch._FORWARD_PLANS.values()
+    assert plan.meta["QUANTIZE_Q"] and plan.meta["DOCS"] == 3 and plan.n_splits == 3 and plan.meta["BLOCK_D"] == 32
+    want = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), qm, dm,
+                            smooth_tau=smooth)
+    assert (got[:, 3] == 0).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
     from flash_maxsim.kernels import launch
     index = fm.quantize(torch.randn(2, 3, 300))

@@ -92,6 +92,10 @@ def _row_tiling(Nq, Lq, paired, rows):
 def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, int8_products=False):
     tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
     block_d, d_chunks = feature_tiling_for(d, dtype)
+    if int8_products:
+        # integer tensor-core products reduce over at least 32 features (Triton refuses a narrower int8 tl.dot
+        # on the GPU; the interpreter does not check): d < 32 is zero-padded to 32 by the masked loads
+        block_d, d_chunks = max(block_d, 32), 1
     # measured on H200 (docs/perf-notes.md, runs 2 and 6): 4 warps; 3 stages since the peeled last tile (run 6:
     # 512x1024 0.222 vs 0.267 ms, d=384 0.376 vs 0.416), 2 for d < 128 (d=96: 0.092 vs 0.097);
     # 128-token tiles when d > 256 (feature axis chunked)
@@ -109,8 +113,9 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
             if int8_products:
                 # integer products: 128 rows x 128-token tiles on 4 warps instead (session 5, 1x10k 1024x1024:
-                # 5.89 vs 7.95 ms with 256 rows x 64 tokens)
-                cfg.update(BLOCK_N=128)
+                # 5.89 vs 7.95 ms with 256 rows x 64 tokens), 4 documents per program so that each program
+                # quantises its query rows once for 4 documents (session 7, run 12: 4.75 vs 5.95 ms; 2: 5.28)
+                cfg.update(BLOCK_N=128, DOCS=4)
             else:
                 cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
                 tokb, qpb = tokb2, qpb2
@@ -125,10 +130,18 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # vs 0.1908 ms, peers 0.186; 32x1030 0.603 vs 0.608; d=96 0.089 vs 0.092). d=384 (128-token tiles, chunked
         # features) streams better peeled: 0.377 vs 0.385
         cfg["PEEL_TAIL"] = False
+        streamed_tokens = (Nq * C if paired else C) * max_len
+        if cfg["DSPLIT"] == 1 and streamed_tokens >= 2**19:
+            # 2 warps: more programs resident per SM to keep loads in flight (session 7, run 12, bf16 vs 4 warps:
+            # 1x10k 32x300 0.1806 vs 0.1820 ms, 32x1030 0.5816 vs 0.5835 and masked 0.602 vs 0.642, 1x1k
+            # 32x1024 0.0746 vs 0.0762, d=96 0.0817 vs 0.0896). Not below ~0.5M streamed tokens (1x1k 32x300:
+            # 0.0501 vs 0.0457) and not for d > 256 (d=384: 0.49 vs 0.37)
+            cfg["num_warps"] = 2
         if int8_products and C >= 16 * _sm_count():
             # 4 documents per program: the query tile loaded and quantised once for 4 (session 5: 1x10k 32x300
-            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394); not for bf16 documents (0.190 vs 0.185, 0.610 vs 0.599).
-            # Measured at 10k documents only: with fewer than 16 per SM the grid keeps one document per program
+            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394; with 2 warps, run 12: 0.128 and 0.355); not for bf16
+            # documents (0.190 vs 0.185, 0.610 vs 0.599). Measured at 10k documents only: with fewer than 16 per
+            # SM the grid keeps one document per program
             cfg["DOCS"] = 4
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
@@ -341,9 +354,9 @@ def _sorted_entries(aux, documents, offsets, candidates):
         t = torch.arange(Nq, device=device, dtype=torch.int64)[:, None] * candidates + cols[None, :]
     else:
         t = cols[None, :].expand(Nq, C)
-    first_row = t * Ld if offsets is None else offsets[t]
     key_dtype = torch.int32 if n_rows < 2**31 - 1 else torch.int64
-    key = torch.where(aux >= 0, first_row[:, :, None] + aux, n_rows).to(key_dtype).reshape(-1)
+    first_row = (t * Ld if offsets is None else offsets[t]).to(key_dtype)
+    key = torch.where(aux >= 0, first_row[:, :, None] + aux.to(key_dtype), n_rows).reshape(-1)
     sorted_key, perm = torch.sort(key, stable=True)
     del key
     row_start = torch.searchsorted(sorted_key, torch.arange(n_rows + 1, device=device, dtype=key_dtype))
@@ -355,7 +368,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
 
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
-    otherwise be small); hard-max dD: the sorted entry list (~16 bytes per Nq*C*Lq entry)."""
+    otherwise be small); hard-max dD with DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry,
+    plus the sort's own buffers)."""
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
