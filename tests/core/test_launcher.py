@@ -226,6 +226,38 @@ def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
         assert row_sums.shape == (2, 2, 5, 8)
 
 
+@pytest.mark.parametrize("smooth_tau", [None, 0.5])
+def test_backward_plan_is_built_once_per_problem_and_launches_the_same(monkeypatch, smooth_tau):
+    """The backward's launch arguments are cached per shape / stride / flag key like the forward's: a repeated
+    step builds no plan and launches exactly what the first one did (the output strides taken from the tensors
+    allocated per call); other strides, or a tuning override, get their own plan."""
+    from flash_maxsim.kernels import launch
+    launched = []
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, meta_key=None:
+                        launched.append((kernel, grid, scalars, meta)))
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+    built = []
+    real_plan = launch._backward_plan
+    monkeypatch.setattr(launch, "_backward_plan", lambda *a: built.append(1) or real_plan(*a))
+    queries, documents = torch.randn(2, 8, 32), torch.randn(64, 40, 32)
+    mask = torch.rand(64, 40) > 0.2
+    aux = (torch.zeros(2, 64, 8, dtype=torch.int16) if smooth_tau is None else torch.zeros(2, 64, 8))
+    grad = torch.randn(2, 64)
+
+    def step(g=grad, m=mask):
+        launched.clear()
+        dq, dd = launch.backward(g, queries, documents, None, m, None, 40, aux, 0, smooth_tau, True, True)
+        return list(launched)
+    first = step()
+    assert [k for k, *_ in first] == [launch.maxsim_bwd_dq_kernel, launch.maxsim_bwd_dd_dense_kernel]
+    assert step() == first and len(built) == 1
+    step(g=torch.randn(64, 2).t())                     # the loss's gradient transposed: other strides
+    assert len(built) == 2 and launched[0][2] != first[0][2]
+    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_WARPS", 2)
+    step()
+    assert len(built) == 3 and launched[1][3]["num_warps"] == 2
+
+
 def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     """The dQ column splits' fp32 partial sums must not live on while dD (as large as the documents) is
     allocated and computed: they would add to the training step's peak memory."""

@@ -252,6 +252,16 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     return plan
 
 
+def _cached_plan(plans: dict, key, build, *args):
+    """``plans[key]``, built by ``build(*args)`` on a miss (the cache emptied when it holds _MAX_PLANS)."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = build(*args)
+    return plan
+
+
 def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
             save_aux, max_len=None, document_scales=None):
     """Scores ``[Nq, C]`` fp32 and ``aux`` (``[Nq, C, Lq]`` when ``save_aux``, else None)."""
@@ -269,13 +279,8 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
            candidates, zero_masked, smooth_tau, save_aux, max_len, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(FORWARD_OVERRIDES.items()) if FORWARD_OVERRIDES else None)
-    plan = _FORWARD_PLANS.get(key)
-    if plan is None:
-        if len(_FORWARD_PLANS) >= _MAX_PLANS:
-            _FORWARD_PLANS.clear()
-        plan = _FORWARD_PLANS[key] = _forward_plan(queries, documents, queries_mask, documents_mask, offsets,
-                                                   candidates, zero_masked, smooth_tau, save_aux, max_len,
-                                                   document_scales)
+    plan = _cached_plan(_FORWARD_PLANS, key, _forward_plan, queries, documents, queries_mask, documents_mask,
+                        offsets, candidates, zero_masked, smooth_tau, save_aux, max_len, document_scales)
     scores = torch.empty(plan.scores_shape, dtype=torch.float32, device=device)
     dummy = _dummy(queries)
     # no aux tensor when the kernel writes none (an allocation costs ~3 us of host time, a tenth of a small
@@ -363,34 +368,35 @@ def _sorted_entries(aux, documents, offsets, candidates):
     return perm, row_start, n_rows
 
 
-def backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
-             smooth_tau, need_dq, need_dd, grad_dtype=None):
-    """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
+class _BackwardPlan:
+    """Everything a backward's launches take that is fixed by shapes, strides, dtypes, flags and tuning
+    choices (cached per key like the forward's plan: building it is ~35 us of Python, several times a small
+    step's launch cost). The tensors, and the strides of the outputs allocated per call, are added at launch."""
+    __slots__ = ("n_cs", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid", "dd_scalars",
+                 "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e")
 
-    Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
-    otherwise be small); hard-max dD with DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry,
-    plus the sort's own buffers)."""
+
+_BACKWARD_PLANS: dict = {}
+
+
+def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
+                   smooth_tau, need_dq, need_dd):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
     C = candidates if candidates else T
-    device = queries.device
     smooth = smooth_tau is not None
-    inv_tau_log2e = math.log2(math.e) / float(smooth_tau) if smooth else 1.0
+    plan = _BackwardPlan()
+    plan.inv_tau_log2e = inv_tau_log2e = math.log2(math.e) / float(smooth_tau) if smooth else 1.0
     upcast = interpreting() and queries.dtype == torch.bfloat16
     precision = _precision(queries.dtype)
     block_d, d_chunks = feature_tiling_for(d, queries.dtype)
+    plan.block_d = block_d
     tokb, qpb = _row_tiling(Nq, Lq, bool(candidates), 128)
     block_n = 64 if d <= 256 else 32
-    dummy = _dummy(queries)
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     sdmt, sdml = _mask_strides(documents_mask, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
-    qmask = queries_mask if queries_mask is not None else dummy
-    dmask = documents_mask if documents_mask is not None else dummy
-    offs = offsets if offsets is not None else dummy
-    grad = grad.float()
-    dq = dd = None
     # what both kernels take after their own sizes, and their common flags
     strides = (grad.stride(0), grad.stride(1),
                queries.stride(0), queries.stride(1), queries.stride(2),
@@ -401,7 +407,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     flags = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
-
+    plan.n_cs = 0
     if need_dq:
         n_splits = _cdiv(Lq, tokb)
         n_qblocks = Nq if candidates else _cdiv(Nq, qpb)
@@ -411,57 +417,91 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         n_cs = _dq_column_splits(base_programs, C, partial,
                                  BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", max(8 << 20, partial)))
         cols_per_split = _cdiv(C, n_cs)
-        n_cs = _cdiv(C, cols_per_split)
-        out_dtype = grad_dtype or queries.dtype
-        if n_cs == 1:
-            dq = torch.empty(queries.shape, dtype=out_dtype, device=device)
-            target = dq.unsqueeze(0)
-        else:
-            target = torch.empty((n_cs, Nq, Lq, d), dtype=torch.float32, device=device)
-        _launcher.launch(
-            maxsim_bwd_dq_kernel, (base_programs * n_cs,),
-            (grad, queries, documents, qmask, dmask, offs, aux, target),
-            (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split,
-             *strides, *target.stride(), inv_tau_log2e),
-            dict(flags, BLOCK_N=block_n, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
-                 num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2)))
-        if n_cs > 1:
-            dq = target.sum(0).to(out_dtype)
-        del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
-
+        plan.n_cs = n_cs = _cdiv(C, cols_per_split)
+        plan.dq_grid = (base_programs * n_cs,)
+        plan.dq_scalars = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split, *strides)
+        plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
+                            num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
+        plan.dq_meta_key = tuple(plan.dq_meta.items())
+    plan.dd_method = None
     if need_dd:
-        dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
-        method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
-        if smooth or method == "dense":
+        plan.dd_method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
+        if smooth or plan.dd_method == "dense":
+            plan.dd_method = "dense"
             # smooth max recomputes every similarity tile: 128-token blocks on 8 warps halve the query-row
             # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps
             wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
             dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
             dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
             n_nblocks = _cdiv(max_len, dd_block_n)
-            grid = (T * n_nblocks * d_chunks,)
-            if offsets is None:
-                sodt, sodl, sodd = dd.stride()
-            else:
-                sodt, sodl, sodd = 0, dd.stride(0), dd.stride(1)
-            if grid[0] > 0:
-                _launcher.launch(
-                    maxsim_bwd_dd_dense_kernel, grid,
-                    (grad, queries, documents, qmask, dmask, offs, aux, dd),
-                    (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides, sodt, sodl, sodd, inv_tau_log2e),
-                    dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
-                         num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2)))
+            plan.dd_grid = (T * n_nblocks * d_chunks,)
+            plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
+            plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
+                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2))
+            plan.dd_meta_key = tuple(plan.dd_meta.items())
+    return plan
+
+
+def backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
+             smooth_tau, need_dq, need_dd, grad_dtype=None):
+    """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
+
+    Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
+    otherwise be small); hard-max dD with DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry,
+    plus the sort's own buffers)."""
+    device = queries.device
+    grad = grad.float()
+    key = (grad.shape, grad.stride(), queries.shape, queries.stride(), queries.dtype, documents.shape,
+           documents.stride(), documents.dtype,
+           None if queries_mask is None else queries_mask.stride(),
+           None if documents_mask is None else documents_mask.stride(),
+           None if offsets is None else offsets.shape[0], max_len, aux.shape, aux.stride(), candidates, smooth_tau,
+           need_dq, need_dd, device, _sm_count(),
+           queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
+           tuple(BACKWARD_OVERRIDES.items()) if BACKWARD_OVERRIDES else None)
+    plan = _cached_plan(_BACKWARD_PLANS, key, _backward_plan, grad, queries, documents, queries_mask,
+                        documents_mask, offsets, max_len, aux, candidates, smooth_tau, need_dq, need_dd)
+    dummy = _dummy(queries)
+    qmask = queries_mask if queries_mask is not None else dummy
+    dmask = documents_mask if documents_mask is not None else dummy
+    offs = offsets if offsets is not None else dummy
+    dq = dd = None
+
+    if need_dq:
+        out_dtype = grad_dtype or queries.dtype
+        if plan.n_cs == 1:
+            dq = torch.empty(queries.shape, dtype=out_dtype, device=device)
+            target = dq.unsqueeze(0)
+        else:
+            target = torch.empty((plan.n_cs, *queries.shape), dtype=torch.float32, device=device)
+        _launcher.launch(maxsim_bwd_dq_kernel, plan.dq_grid,
+                         (grad, queries, documents, qmask, dmask, offs, aux, target),
+                         (*plan.dq_scalars, *target.stride(), plan.inv_tau_log2e), plan.dq_meta, plan.dq_meta_key)
+        if plan.n_cs > 1:
+            dq = target.sum(0).to(out_dtype)
+        del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
+
+    if need_dd:
+        dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
+        if plan.dd_method == "dense":
+            if plan.dd_grid[0] > 0:
+                out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
+                _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
+                                 (grad, queries, documents, qmask, dmask, offs, aux, dd),
+                                 (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
         elif aux.numel() > 0:
+            d = queries.shape[2]
+            C = aux.shape[1]
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
             flat = dd.view(-1, d)
             rows_per_program = 16
-            bd = min(block_d, 128)
+            bd = min(plan.block_d, 128)
             grid = (_cdiv(n_rows, rows_per_program) * _cdiv(d, bd),)
             if grid[0] > 0:
                 _launcher.launch(
                     maxsim_bwd_dd_sparse_kernel, grid,
                     (grad, queries, perm, row_start, flat),
-                    (n_rows, Lq, C, d, grad.stride(0), grad.stride(1),
+                    (n_rows, queries.shape[1], C, d, grad.stride(0), grad.stride(1),
                      queries.stride(0), queries.stride(1), queries.stride(2), flat.stride(0), flat.stride(1)),
                     dict(ROWS=rows_per_program, BLOCK_D=bd, num_warps=4))
     return dq, dd
