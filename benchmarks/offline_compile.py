@@ -150,7 +150,8 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
     _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None: \
         calls.append((kernel, grid, tensors if keep_tensors else None, scalars, dict(meta)))
     launch._sm_count = lambda: sms
-    launch._FORWARD_PLANS.clear()         # plans are keyed by shapes, not by SM count
+    launch._FORWARD_PLANS.clear()         # plans are keyed by shapes and device, not by SM count
+    launch._BACKWARD_PLANS.clear()
     ops._forced_backend = "triton"        # not force_backend(): it refuses without CUDA, rightly for real runs
     torch.set_float32_matmul_precision(fp32_precision)
     launch.FORWARD_OVERRIDES.update(forward_overrides or {})
@@ -163,6 +164,7 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
         launch.FORWARD_OVERRIDES.clear(), launch.FORWARD_OVERRIDES.update(saved[3])
         launch.BACKWARD_OVERRIDES.clear(), launch.BACKWARD_OVERRIDES.update(saved[4])
         launch._FORWARD_PLANS.clear()
+        launch._BACKWARD_PLANS.clear()
 
 
 def record_launches(case: Case, sms: int) -> list:

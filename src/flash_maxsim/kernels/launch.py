@@ -387,7 +387,7 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     C = candidates if candidates else T
     smooth = smooth_tau is not None
     plan = _BackwardPlan()
-    plan.inv_tau_log2e = inv_tau_log2e = math.log2(math.e) / float(smooth_tau) if smooth else 1.0
+    plan.inv_tau_log2e = math.log2(math.e) / float(smooth_tau) if smooth else 1.0
     upcast = interpreting() and queries.dtype == torch.bfloat16
     precision = _precision(queries.dtype)
     block_d, d_chunks = feature_tiling_for(d, queries.dtype)
@@ -456,7 +456,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
            None if offsets is None else offsets.shape[0], max_len, aux.shape, aux.stride(), candidates, smooth_tau,
-           need_dq, need_dd, device, _sm_count(),
+           need_dq, need_dd, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(BACKWARD_OVERRIDES.items()) if BACKWARD_OVERRIDES else None)
     plan = _cached_plan(_BACKWARD_PLANS, key, _backward_plan, grad, queries, documents, queries_mask,
