@@ -211,13 +211,26 @@ def forward_table(dev, quick, sweep):
     return rows
 
 
-TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "sparse"}}, {"fwd": {"num_stages": 3}},
-               {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"ROWS": 256, "num_warps": 8, "num_stages": 3}},
-               {"bwd": {"DD_BLOCK_N": 128}}, {"bwd": {"DD_BLOCK_N": 128, "DD_WARPS": 8}},
-               {"bwd": {"DD_STAGES": 3}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DQ_STAGES": 3}},
-               # session 7: the training forward (arg-max saved) runs at ~270 TFLOP/s at B256, scoring at ~600
-               {"fwd": {"num_warps": 8}}, {"fwd": {"BLOCK_N": 128}}, {"fwd": {"BLOCK_N": 128, "num_warps": 8}},
-               {"fwd": {"ROWS": 256, "num_warps": 8, "BLOCK_N": 32}}]
+# session 8: the dense dD's gradient split (hi + lo) against G rounded to 16 bits, its stages, the sorted dD; earlier
+# sweeps (forward tiles, dD tiles and warps, a gathered-hits dD) are in benchmarks/results/run14 and run16
+TRAIN_SWEEP = [{}, {"bwd": {"G_SPLIT": False}}, {"bwd": {"DD_STAGES": 2}}, {"bwd": {"DD_METHOD": "sparse"}},
+               {"bwd": {"DD_WARPS": 8}}, {"bwd": {"DD_BLOCK_N": 128, "DD_WARPS": 8}}]
+
+
+def training_problem(dev, Nq, B, Lq, Ld, K):
+    """bf16 leaves (queries [Nq, Lq, 128]; documents [B, Ld, 128], or [Nq, K, Ld, 128] per-query candidates when K)
+    and the step's loss of the scores: in-batch cross-entropy, or KL to a random teacher for candidates."""
+    q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    docs = torch.randn(*((Nq, K, Ld, 128) if K else (B, Ld, 128)), device=dev, dtype=torch.bfloat16,
+                       requires_grad=True)
+    labels = torch.arange(Nq, device=dev) % B
+    target = torch.softmax(torch.randn(Nq, K or B, device=dev), -1)
+
+    def loss_of(scores):
+        if K:
+            return torch.nn.functional.kl_div(torch.log_softmax(scores, -1), target, reduction="batchmean")
+        return torch.nn.functional.cross_entropy(scores, labels)
+    return q, docs, loss_of
 
 
 def train_table(dev, sweep=False):
@@ -230,16 +243,7 @@ def train_table(dev, sweep=False):
              ("colpali smooth B128 32x1030", 128, 128, 32, 1030, 0.1, 0),
              ("KD 64q x 64cand 32x300", 64, 64, 32, 300, None, 64)]
     for name, Nq, B, Lq, Ld, tau, K in cases:
-        q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        shape = (Nq, K, Ld, 128) if K else (B, Ld, 128)
-        docs = torch.randn(*shape, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.arange(Nq, device=dev) % B
-        target = torch.softmax(torch.randn(Nq, K or B, device=dev), -1)
-
-        def loss_of(scores):
-            if K:
-                return torch.nn.functional.kl_div(torch.log_softmax(scores, -1), target, reduction="batchmean")
-            return torch.nn.functional.cross_entropy(scores, labels)
+        q, docs, loss_of = training_problem(dev, Nq, B, Lq, Ld, K)
 
         def ours():
             loss_of(fm.maxsim(q, docs, smooth_tau=tau)).backward()
@@ -253,13 +257,25 @@ def train_table(dev, sweep=False):
             loss_of(agg.float().sum(-1)).backward()
 
         if sweep:
+            # the dD launch alone too (small steps are host-bound: their step time hides the kernel's)
+            from flash_maxsim import _layout
+            p = _layout.canonicalize(q.detach(), docs.detach(), smooth_tau=tau)
+            _, aux = launch.forward(p.queries, p.documents, None, None, None, p.candidates, False, tau, True,
+                                    p.max_length)
+            g = torch.randn(Nq, K or B, device=dev)
+
+            def dd_only():
+                launch.backward(g, p.queries, p.documents, None, None, None, p.max_length, aux, p.candidates, tau,
+                                False, True)
             res = []
             for v in TRAIN_SWEEP:
                 launch.FORWARD_OVERRIDES.clear(); launch.FORWARD_OVERRIDES.update(v.get("fwd", {}))
                 launch.BACKWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.update(v.get("bwd", {}))
-                res.append((bench(ours), peak_mb(ours), v))
+                res.append((bench(ours), peak_mb(ours), bench(dd_only), v))
             launch.FORWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.clear()
-            print(f"train-sweep {name}: " + "  ".join(f"{t:.3f}ms/{m:.0f}MB:{v}" for t, m, v in res), flush=True)
+            print(f"train-sweep {name}: " + "  ".join(f"step {t:.3f}ms/{m:.0f}MB dD {dd:.3f}ms:{v}"
+                                                      for t, m, dd, v in res), flush=True)
+            del aux
         row = dict(case=name, ours_ms=bench(ours), ours_mb=peak_mb(ours))
         try:
             row["eager_ms"], row["eager_mb"] = bench(eager), peak_mb(eager)
@@ -272,6 +288,59 @@ def train_table(dev, sweep=False):
         del q, docs
         torch.cuda.empty_cache()
     return rows
+
+
+TRAIN_AB = [{}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}]
+
+
+def train_ab(dev, rounds=7):
+    """The small (host-bound) training steps, ours under each TRAIN_AB variant and both peers', interleaved round
+    by round so that the host's drift hits all alike; medians."""
+    import statistics
+    from flash_maxsim.kernels import launch
+    from _peers import PEER_KEYS, load_peers
+    peers = load_peers(PEER_KEYS)[0]
+    for name, Nq, B, Ld, K in (("colbert B128 32x300", 128, 128, 300, 0), ("colpali B64 32x1030", 64, 64, 1030, 0),
+                               ("colbert B64+7neg 32x300", 64, 512, 300, 0), ("KD 64x64 32x300", 64, 64, 300, 64)):
+        q, docs, loss_of = training_problem(dev, Nq, B, 32, Ld, K)
+        steps = {f"ours {v}": (v, lambda: loss_of(fm.maxsim(q, docs)).backward()) for v in map(str, range(len(TRAIN_AB)))}
+        for peer in peers:
+            fn = peer.train_scores("kd" if K else "in-batch", None)
+            if fn is not None:
+                steps[peer.label] = (None, lambda fn=fn: loss_of(fn(q, docs)).backward())
+        times = {k: [] for k in steps}
+        for _ in range(rounds):
+            for key, (variant, fn) in steps.items():
+                launch.BACKWARD_OVERRIDES.clear()
+                if variant is not None:
+                    launch.BACKWARD_OVERRIDES.update(TRAIN_AB[int(variant)].get("bwd", {}))
+                times[key].append(bench(fn))
+        launch.BACKWARD_OVERRIDES.clear()
+        # the same steps captured in a CUDA graph and replayed: the GPU's time without the host's launches
+        graphed = {}
+        for key, (variant, fn) in steps.items():
+            if variant not in (None, "0"):
+                continue
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                graphed[key] = bench(graph.replay)
+            except Exception as exc:     # a peer whose step does not capture: say so
+                graphed[key] = f"no graph ({type(exc).__name__})"
+            q.grad = docs.grad = None
+        print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
+                                                  for k, v in graphed.items()), flush=True)
+        print(f"train-ab {name}: " + "  ".join(
+            f"{statistics.median(t):.3f}:{TRAIN_AB[int(k.split()[1])] if k.startswith('ours') else k}"
+            for k, t in times.items()), flush=True)
+        del q, docs
 
 
 FP32_SWEEP = [{}, {"BLOCK_D": 128, "D_CHUNKS": 1, "num_warps": 4, "num_stages": 3},
@@ -386,8 +455,44 @@ def host_table(dev):
     def step():
         torch.nn.functional.cross_entropy(fm.maxsim(qt, dt), labels).backward()
     print(f"host {'train step B128 32x300':28s} {per_call_us(step, 100):7.1f} us/call host, {bench(step) * 1e3:7.1f} us do_bench", flush=True)
+    # where a small step's host time goes: the loss alone, our scores' forward + backward alone, the peers' steps
+    leaf = torch.randn(128, 128, device=dev, requires_grad=True)
+    grad_scores = torch.randn(128, 128, device=dev)
+    parts = {"loss alone (CE fwd+bwd)": lambda: torch.nn.functional.cross_entropy(leaf, labels).backward(),
+             "maxsim fwd+bwd, no loss": lambda: fm.maxsim(qt, dt).backward(grad_scores),
+             "maxsim fwd, grad enabled": lambda: fm.maxsim(qt, dt)}
+    try:
+        from _peers import PEER_KEYS, load_peers
+        for peer in load_peers(PEER_KEYS)[0]:
+            scores_fn = peer.train_scores("in-batch", None)
+            if scores_fn is not None:
+                parts[f"{peer.label} train step"] = (lambda fn=scores_fn: torch.nn.functional.cross_entropy(
+                    fn(qt, dt), labels).backward())
+    except Exception as exc:
+        print(f"host: no peer steps ({type(exc).__name__}: {exc})")
+    for name, fn in parts.items():
+        print(f"host {name:28s} {per_call_us(fn, 100):7.1f} us/call host, {bench(fn) * 1e3:7.1f} us do_bench", flush=True)
+    # a host synchronisation inside a step would make its host time the GPU's: name any
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    caught = [w for w in caught if "prototype" not in str(w.message)]     # the mode's own notice
+    print(f"host syncs in one training step: {len(caught)}" + "".join(f"\n  {w.message}" for w in caught[:5]))
     import cProfile
     import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        parts["maxsim fwd+bwd, no loss"]()
+    torch.cuda.synchronize()
+    prof.disable()
+    print("host profile of 50 forward + backward calls, no loss (B128 32x300), by cumulative time:")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
@@ -434,6 +539,7 @@ def main():
     ap.add_argument("--fwd-sweep", action="store_true", help="try tile configurations per forward shape")
     ap.add_argument("--profile", action="store_true", help="kernel time breakdown of two training steps")
     ap.add_argument("--host", action="store_true", help="host time per call of small launch-bound calls")
+    ap.add_argument("--train-ab", action="store_true", help="small training steps: TRAIN_AB variants and peers, interleaved")
     ap.add_argument("--no-train", action="store_true", help="skip the training table")
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
@@ -451,6 +557,8 @@ def main():
     torch.set_float32_matmul_precision("highest")
     if args.host:
         host_table(dev)
+    if args.train_ab:
+        train_ab(dev)
     if args.int8:
         int8_table(dev)
         from flash_maxsim.kernels.forward import maxsim_fwd_kernel

@@ -134,6 +134,9 @@ CASES = [
     Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
     Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
          backward_overrides={"DD_METHOD": "sparse"}),
+    Case("train bf16 dD, gradient not split", lambda: (_q(4, 32, 128), _docs(8, 300, 128), _mask(4, 32),
+                                                        _mask(8, 300)), training=True,
+         backward_overrides={"G_SPLIT": False, "DD_STAGES": 2}),
 ]
 
 

@@ -1,5 +1,6 @@
 """Kernel variants chosen by tuning hooks (launch.FORWARD_OVERRIDES / BACKWARD_OVERRIDES) compute the same
-function: the sparse (sorted) hard-max dD, the document-token split of the forward, the dQ column split."""
+function: the hard-max dD methods (dense one-hot, the default, with and without the gradient's 16-bit split;
+sorted), the document-token split of the forward, the dQ column split."""
 
 import pytest
 import torch
@@ -62,9 +63,10 @@ def _grads(q, docs, **kw):
     return out, ref, q.grad, q64.grad, grad_of(d), grad_of(d64)
 
 
+@pytest.mark.parametrize("method", [{"DD_METHOD": "sparse"}, {"DD_METHOD": "dense", "G_SPLIT": False}])
 @pytest.mark.parametrize("layout", ["in-batch", "candidates", "packed"])
-def test_sparse_hard_max_document_gradient(overrides, layout):
-    overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "sparse"
+def test_hard_max_document_gradient_methods(overrides, layout, method):
+    overrides.BACKWARD_OVERRIDES.update(method)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(11)
     q = torch.randn(3, 6, 16, generator=g).to(dev)
@@ -86,11 +88,13 @@ def test_document_token_split_forward(overrides, smooth_tau):
 
 
 def test_query_gradient_column_split(overrides):
-    # 40 columns against a single query block: the dQ grid is split over columns (partial sums)
+    # 130 columns against a single query block: the dQ grid is split over columns (partial sums; not at <= 64)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(13)
     q = torch.randn(1, 5, 16, generator=g).to(dev)
-    docs = torch.randn(40, 6, 16, generator=g).to(dev)
+    docs = torch.randn(130, 6, 16, generator=g).to(dev)
+    assert launch._backward_plan(torch.zeros(1, 130), q, docs, None, None, None, 6,
+                                 torch.zeros(1, 130, 5, dtype=torch.int16), 0, None, True, False, None).n_cs > 1
     with force_backend("triton"):
         for tau in (None, 0.3):
             out, ref, gq, gq64, gd, gd64 = _grads(q, docs, smooth_tau=tau)
@@ -186,3 +190,79 @@ def test_several_documents_per_program_only_for_padded_scoring(overrides, monkey
     plans = list(launch._FORWARD_PLANS.values())
     assert len(plans) == 3 and all(p.meta["DOCS"] == 1 for p in plans)
 
+
+
+@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}])
+def test_document_gradient_goes_to_the_first_of_tied_tokens(overrides, method):
+    """Documents whose tokens are all equal: every query token's first arg-max is token 0 (the tie rule), so
+    dD[t, 0] = sum_q G[q, t] * sum_i Q[q, i] and every other row is 0 (autograd of amax would split it)."""
+    overrides.BACKWARD_OVERRIDES.update(method)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    # small integers: every product and sum is exact in fp32, so the equal tokens tie exactly in any summation order
+    q = torch.randint(-3, 4, (5, 9, 32), generator=gen).float().to(dev)
+    docs = torch.randint(-3, 4, (3, 1, 32), generator=gen).float().expand(3, 70, 32).contiguous().to(dev)
+    docs.requires_grad_()
+    with force_backend("triton"):
+        out = fm.maxsim(q, docs)
+    g = torch.linspace(-1, 1, out.numel(), device=dev).reshape(out.shape)
+    (out * g).sum().backward()
+    want = torch.zeros(docs.shape, dtype=torch.float64, device=dev)
+    want[:, 0] = g.double().t() @ q.double().sum(1)
+    torch.testing.assert_close(docs.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _half_way_problem(dtype, dev):
+    """Queries, documents, and an upstream gradient G in [1, 2) exactly half-way between two neighbours of the
+    16-bit dtype (rounding G to it is off by half a unit), with the float64 hard-max dD they give and the sum of
+    the magnitudes of its terms (what a rounding of G scales with)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 8, 32, generator=gen).to(dtype).to(dev)
+    docs = torch.randn(4, 5, 32, generator=gen).to(dtype).to(dev)
+    mantissa_bits = 7 if dtype == torch.bfloat16 else 10
+    g = (1 + (torch.randint(0, 2 ** mantissa_bits - 1, (6, 4), generator=gen) + 0.5) * 2.0 ** -mantissa_bits).to(dev)
+    chosen = torch.einsum("qid,tjd->qtij", q.double(), docs.double()).argmax(-1)       # [Nq, T, Lq]
+    want = torch.zeros(docs.shape, dtype=torch.float64, device=dev)
+    magnitude = torch.zeros_like(want)
+    for qi in range(6):
+        for t in range(4):
+            term = q[qi].double() * g[qi, t].double()
+            want[t].index_add_(0, chosen[qi, t], term)
+            magnitude[t].index_add_(0, chosen[qi, t], term.abs())
+    return q, docs, g, want, magnitude
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hard_max_document_gradient_rounding(overrides, dtype):
+    """Autograd's dD in the inputs' 16-bit dtype: G goes to the tensor cores rounded to that dtype (as PyTorch's
+    own 16-bit autograd rounds it), then dD itself is rounded: |error| <= u (|dD| + sum of |terms|), u the unit
+    roundoff."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, docs, g, want, magnitude = _half_way_problem(dtype, dev)
+    docs.requires_grad_()
+    with force_backend("triton"):
+        (fm.maxsim(q, docs) * g).sum().backward()
+    unit_roundoff = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    # the interpreter truncates fp32 -> bf16: up to 2u of |dD| there
+    output_units = 2 if dtype == torch.bfloat16 and launch.interpreting() else 1
+    bound = unit_roundoff * (output_units * want.abs() + magnitude) * 1.01 + 1e-6
+    assert ((docs.grad.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype):
+    """``maxsim_backward(..., fp32_grads=True)`` on 16-bit inputs: fp32 dQ and dD, and the dD kernel multiplies
+    G as two 16-bit parts (hi + lo), so dD matches float64 to fp32 summation error, where G rounded to the dtype
+    would be off by up to half a unit of the dtype."""
+    from flash_maxsim import _layout, ops
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, docs, g, want, _ = _half_way_problem(dtype, dev)
+    p = _layout.canonicalize(q, docs)
+    with force_backend("triton"):
+        _, aux = ops.forward_impl(p.queries, p.documents, None, None, None, p.max_length, 0, False, None, True)
+        dq, dd = ops.maxsim_backward(g, p, aux, fp32_grads=True)
+    assert dq.dtype == dd.dtype == torch.float32
+    torch.testing.assert_close(dd.double(), want, rtol=1e-6, atol=1e-6)
+    chosen = torch.einsum("qid,tjd->qtij", q.double(), docs.double()).argmax(-1)
+    want_dq = torch.einsum("qt,qtid->qid", g.double(), docs.double()[torch.arange(4, device=dev)[None, :, None], chosen])
+    torch.testing.assert_close(dq.double(), want_dq, rtol=1e-6, atol=1e-6)

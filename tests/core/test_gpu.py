@@ -291,5 +291,7 @@ def test_document_tensor_beyond_2_31_elements(seed):
         scale = Lq * q64.norm(dim=-1).max().item() * sub.norm(dim=-1).max().item()
         torch.testing.assert_close(scores[:, check_docs].double(), expected, rtol=0, atol=2e-5 * scale)
         (expected_dd,) = torch.autograd.grad((expected * grad_out[:, check_docs].double()).sum(), (sub,))
-        torch.testing.assert_close(dd[check_docs].double(), expected_dd, rtol=2 ** -8, atol=1e-3)
+        # dD rounds twice in bf16: the upstream gradient before the tensor-core product (as PyTorch's bf16 autograd
+        # does) and dD itself: up to 2 units of roundoff (2^-7) of its terms (test_backward_variants.py)
+        torch.testing.assert_close(dd[check_docs].double(), expected_dd, rtol=2 ** -7, atol=2e-3)
         del dd, scores

@@ -273,11 +273,27 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
             partials.append("dd launched")
 
     monkeypatch.setattr(launch._launcher, "launch", record)
-    queries, documents = torch.randn(2, 8, 32), torch.randn(64, 40, 32)
-    aux = torch.zeros(2, 64, 8, dtype=torch.int16)
-    grad = torch.randn(2, 64)
+    queries, documents = torch.randn(2, 8, 32), torch.randn(128, 40, 32)
+    aux = torch.zeros(2, 128, 8, dtype=torch.int16)
+    grad = torch.randn(2, 128)
     dq, dd = launch.backward(grad, queries, documents, None, None, None, 40, aux, 0, None, True, True)
     assert partials[-1] == "dd launched" and dq.shape == queries.shape and dd.shape == documents.shape
-    splits = launch._dq_column_splits(1, 64, 2 * 8 * 32 * 4, 8 << 20)
+    splits = launch._dq_column_splits(1, 128, 2 * 8 * 32 * 4, 8 << 20)
     assert splits > 1          # the case above does split the column loop
+
+
+def test_no_query_gradient_column_split_over_64_columns_or_fewer(monkeypatch):
+    """At most 64 columns: one dQ launch writing dQ itself, no partial sums (host-bound step sizes)."""
+    from flash_maxsim.kernels import launch
+    launched = []
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, meta_key=None:
+                        launched.append((kernel, tensors)))
+    for columns, split in ((64, False), (65, True)):
+        launched.clear()
+        queries, documents = torch.randn(2, 8, 32), torch.randn(columns, 40, 32)
+        aux = torch.zeros(2, columns, 8, dtype=torch.int16)
+        dq, _ = launch.backward(torch.randn(2, columns), queries, documents, None, None, None, 40, aux, 0, None,
+                                True, False)
+        target = launched[0][1][7]
+        assert (target.shape[0] > 1) == split and (target.data_ptr() == dq.data_ptr()) != split
 

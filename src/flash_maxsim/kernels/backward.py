@@ -4,13 +4,15 @@ fixed order in fp32 (partial sums over column splits are added afterwards in a f
 Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary value:
 - hard max, ``AUX[q, col, i]`` = first arg-max token ``j`` (-1: no gradient)
     dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]                      (gather:  maxsim_bwd_dq_kernel)
-    dD[row]  = sum over entries (q, col, i) whose destination is row of G[q, col] * Q[q, i]
-               (entries pre-sorted by destination row: maxsim_bwd_dd_sparse_kernel)
+    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, the default)
+             or, entries pre-sorted by destination row, a gather per row   (maxsim_bwd_dd_sparse_kernel, opt-in)
+  The one-hot weights G go to the tensor cores in the inputs' dtype (rounded to it, as PyTorch's 16-bit autograd
+  rounds the gradient); with fp32 gradients asked for, as two 16-bit parts (hi + lo): G kept whole.
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
   recomputed tile by tile from ``S = Q D^T`` (flash-attention style):
     dQ[q]  = sum_col P[q, col] * G[q, col] @ D[doc]                           (maxsim_bwd_dq_kernel)
-    dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (maxsim_bwd_dd_smooth_kernel)
-  ``P * G`` is rounded to the input dtype before the tensor-core product, exactly as ``P`` alone would be.
+    dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (maxsim_bwd_dd_dense_kernel)
+  ``P * G`` is rounded to the input dtype before the tensor-core product, as flash attention rounds ``P``.
 Masked (constant) similarities get no gradient in either mode.
 """
 
@@ -178,7 +180,7 @@ def maxsim_bwd_dd_dense_kernel(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
 ):
     # program: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows.
     # dD_tile += (W * G)^T @ Q_rows with W = P (smooth) or the one-hot of the arg-max (hard), on tensor cores.
@@ -200,7 +202,9 @@ def maxsim_bwd_dd_dense_kernel(
         d_base = t * stride_dt
         m_base = t * stride_dmt
         o_base = t * stride_odt
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = tl.arange(0, BLOCK_N)
+    n_lo32 = (nb * BLOCK_N).to(tl.int32)
+    n = nb * BLOCK_N + local
     in_range = n < dlen
     cols = kc * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < d
@@ -252,13 +256,21 @@ def maxsim_bwd_dd_dense_kernel(
                     pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
                 else:
                     j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
-                    pt = tl.where(j[None, :] == n[:, None], g[None, :], 0.0)
+                    # 32-bit offsets into the block (n is 64-bit: twice the compare instructions)
+                    pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
                 q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:
                     acc += tl.dot(pt, q_rows.to(tl.float32), input_precision=PRECISION)
                 else:
-                    acc += tl.dot(pt.to(q_rows.dtype), q_rows, input_precision=PRECISION)
+                    pt_hi = pt.to(q_rows.dtype)
+                    acc += tl.dot(pt_hi, q_rows, input_precision=PRECISION)
+                    if G_SPLIT:
+                        # the gradient's low part too (fp32 gradients): G = hi + lo to ~16 bits, not rounded to
+                        # the inputs' dtype
+                        acc += tl.dot((pt - pt_hi.to(tl.float32)).to(q_rows.dtype), q_rows,
+                                      input_precision=PRECISION)
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
+

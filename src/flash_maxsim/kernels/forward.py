@@ -62,13 +62,13 @@ def _similarity_tile(
 
 @triton.jit
 def _fold_tile(
-    m, acc, arg, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
+    m, acc, arg, n0, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
     stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
     PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Folds the document tokens ``n`` into the running max / log-sum-exp state of every row. ``PARTIAL``: the
+    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running max / log-sum-exp state of every row. ``PARTIAL``: the
     tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
@@ -101,9 +101,12 @@ def _fold_tile(
         m = m_new
     else:
         if SAVE_AUX:
-            # first arg-max inside the tile; strict '>' across tiles keeps the earliest on ties
-            first = tl.reduce(tl.where(s == tile_max[:, None], n[None, :], 2147483647), 1, _min_int)
-            arg = tl.where(tile_max > m, first.to(tl.int32), arg)
+            # first arg-max inside the tile, as a 32-bit offset into the tile (the token offsets n are 64-bit:
+            # selecting and reducing those costs twice the instructions); strict '>' across tiles keeps the
+            # earliest on ties
+            local = tl.arange(0, BLOCK_N)
+            first = tl.reduce(tl.where(s == tile_max[:, None], local[None, :], BLOCK_N), 1, _min_int)
+            arg = tl.where(tile_max > m, (first + n0).to(tl.int32), arg)
         m = _max_propagating_nan(m, tile_max)
     return m, acc, arg
 
@@ -223,10 +226,10 @@ def maxsim_fwd_kernel(
             n0 = (i - j * tiles) * BLOCK_N
             tj = t * DOCS + j
             m, acc, arg = _fold_tile(
-                m, acc, arg, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
+                m, acc, arg, n0, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
                 SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION)
+                PRECISION, BLOCK_N)
             if n0 + BLOCK_N >= Ld:
                 # the document's last tile: its score, then a fresh state for the next one
                 _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
@@ -244,16 +247,16 @@ def maxsim_fwd_kernel(
             n_full = n_lo
         for n0 in range(n_lo, n_full, BLOCK_N):
             m, acc, arg = _fold_tile(
-                m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+                m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION)
+                PRECISION, BLOCK_N)
         for n0 in range(n_full, n_hi, BLOCK_N):
             m, acc, arg = _fold_tile(
-                m, acc, arg, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+                m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION)
+                PRECISION, BLOCK_N)
 
         m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         if ROW_OUT:

@@ -324,7 +324,7 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
 
 
 # Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sparse" (hard max only); DD_BLOCK_N,
-# DD_WARPS, DD_STAGES (dense dD kernel); DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column
+# DD_WARPS, DD_STAGES, G_SPLIT (dense dD kernel); DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column
 # splits' fp32 partial sums; 0 = no split).
 BACKWARD_OVERRIDES: dict = {}
 
@@ -380,7 +380,7 @@ _BACKWARD_PLANS: dict = {}
 
 
 def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
-                   smooth_tau, need_dq, need_dd):
+                   smooth_tau, need_dq, need_dd, grad_dtype):
     Nq, Lq, d = queries.shape
     T = documents.shape[0] if offsets is None else offsets.shape[0] - 1
     Ld = documents.shape[1] if offsets is None else 0
@@ -414,8 +414,12 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         base_programs = n_qblocks * n_splits * d_chunks
         # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
         partial = Nq * Lq * d * 4
-        n_cs = _dq_column_splits(base_programs, C, partial,
-                                 BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", max(8 << 20, partial)))
+        # no split over at most 64 columns: the unsplit loop is short, and the split's partial sums, their sum and
+        # cast cost more host time than they save GPU time in the host-bound steps such sizes make (session 8,
+        # run 18, interleaved with both peers twice: ColPali B64 8% and 9% faster unsplit, KD 6% faster and 1%
+        # slower; B64 + 7 negatives, 512 columns, 41% and 65% slower unsplit)
+        budget = 0 if C <= 64 else max(8 << 20, partial)
+        n_cs = _dq_column_splits(base_programs, C, partial, BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", budget))
         cols_per_split = _cdiv(C, n_cs)
         plan.n_cs = n_cs = _cdiv(C, cols_per_split)
         plan.dq_grid = (base_programs * n_cs,)
@@ -425,20 +429,30 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = None
     if need_dd:
-        plan.dd_method = BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
-        if smooth or plan.dd_method == "dense":
-            plan.dd_method = "dense"
+        plan.dd_method = "dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
+        if plan.dd_method == "dense":
             # smooth max recomputes every similarity tile: 128-token blocks on 8 warps halve the query-row
-            # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps
+            # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps.
+            # 1 stage (no software pipelining): session 8, run 16, dD alone, hard max B128 32x300 0.175 vs
+            # 0.211 ms, B64 + 7 negatives 0.292 vs 0.342, ColPali B64 0.142 vs 0.170, B256 1.82 vs 2.23, KD 0.104 vs
+            # 0.114; smooth ColPali B128 0.969 vs 1.047
             wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
             dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
             dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
             n_nblocks = _cdiv(max_len, dd_block_n)
             plan.dd_grid = (T * n_nblocks * d_chunks,)
             plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
+            # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit
+            # parts, whole. By default it is rounded to the inputs' dtype, as PyTorch's own 16-bit autograd rounds
+            # it: the split doubles the tensor-core work (session 8, run 17: ColPali B256 dD 3.02 vs 1.82 ms)
+            g_split = (grad_dtype == torch.float32 and not smooth and not upcast
+                       and queries.dtype in (torch.float16, torch.bfloat16))
             plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
-                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 2))
+                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1),
+                                G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
+        elif plan.dd_method != "sparse":
+            raise ValueError(f"BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense' or 'sparse', got {plan.dd_method!r}")
     return plan
 
 
@@ -456,11 +470,11 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
            None if offsets is None else offsets.shape[0], max_len, aux.shape, aux.stride(), candidates, smooth_tau,
-           need_dq, need_dd, device,
+           need_dq, need_dd, grad_dtype, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(BACKWARD_OVERRIDES.items()) if BACKWARD_OVERRIDES else None)
     plan = _cached_plan(_BACKWARD_PLANS, key, _backward_plan, grad, queries, documents, queries_mask,
-                        documents_mask, offsets, max_len, aux, candidates, smooth_tau, need_dq, need_dd)
+                        documents_mask, offsets, max_len, aux, candidates, smooth_tau, need_dq, need_dd, grad_dtype)
     dummy = _dummy(queries)
     qmask = queries_mask if queries_mask is not None else dummy
     dmask = documents_mask if documents_mask is not None else dummy
@@ -482,14 +496,22 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
 
     if need_dd:
-        dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=device)
+        out_dtype = grad_dtype or documents.dtype
         if plan.dd_method == "dense":
+            # the kernel writes every row of every padded document (zeros where nothing flows); packed values
+            # may hold rows past offsets[-1] when the caller supplied max_length (offsets then go unchecked)
+            dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=out_dtype, device=device)
             if plan.dd_grid[0] > 0:
                 out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
                 _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, dd),
                                  (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
-        elif aux.numel() > 0:
+            elif dd.numel() > 0:
+                dd.zero_()
+        else:
+            dd = torch.zeros(documents.shape, dtype=out_dtype, device=device)
+            if aux.numel() == 0:
+                return dq, dd
             d = queries.shape[2]
             C = aux.shape[1]
             perm, row_start, n_rows = _sorted_entries(aux, documents, offsets, candidates)
