@@ -303,23 +303,24 @@ def train_ab(dev, rounds=7):
     for name, Nq, B, Ld, K in (("colbert B128 32x300", 128, 128, 300, 0), ("colpali B64 32x1030", 64, 64, 1030, 0),
                                ("colbert B64+7neg 32x300", 64, 512, 300, 0), ("KD 64x64 32x300", 64, 64, 300, 64)):
         q, docs, loss_of = training_problem(dev, Nq, B, 32, Ld, K)
-        steps = {f"ours {v}": (v, lambda: loss_of(fm.maxsim(q, docs)).backward()) for v in map(str, range(len(TRAIN_AB)))}
+        # label -> (our BACKWARD_OVERRIDES, or None for a peer; the step)
+        steps = {f"ours {v}": (v.get("bwd", {}), lambda: loss_of(fm.maxsim(q, docs)).backward()) for v in TRAIN_AB}
         for peer in peers:
             fn = peer.train_scores("kd" if K else "in-batch", None)
             if fn is not None:
                 steps[peer.label] = (None, lambda fn=fn: loss_of(fn(q, docs)).backward())
         times = {k: [] for k in steps}
         for _ in range(rounds):
-            for key, (variant, fn) in steps.items():
+            for label, (overrides, fn) in steps.items():
                 launch.BACKWARD_OVERRIDES.clear()
-                if variant is not None:
-                    launch.BACKWARD_OVERRIDES.update(TRAIN_AB[int(variant)].get("bwd", {}))
-                times[key].append(bench(fn))
+                launch.BACKWARD_OVERRIDES.update(overrides or {})
+                times[label].append(bench(fn))
         launch.BACKWARD_OVERRIDES.clear()
-        # the same steps captured in a CUDA graph and replayed: the GPU's time without the host's launches
+        # our default step and the peers' captured in a CUDA graph and replayed: the GPU's time without the host's
+        # launches
         graphed = {}
-        for key, (variant, fn) in steps.items():
-            if variant not in (None, "0"):
+        for label, (overrides, fn) in steps.items():
+            if overrides:
                 continue
             try:
                 side = torch.cuda.Stream()
@@ -331,15 +332,14 @@ def train_ab(dev, rounds=7):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     fn()
-                graphed[key] = bench(graph.replay)
+                graphed[label] = bench(graph.replay)
             except Exception as exc:     # a peer whose step does not capture: say so
-                graphed[key] = f"no graph ({type(exc).__name__})"
+                graphed[label] = f"no graph ({type(exc).__name__})"
             q.grad = docs.grad = None
         print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
                                                   for k, v in graphed.items()), flush=True)
-        print(f"train-ab {name}: " + "  ".join(
-            f"{statistics.median(t):.3f}:{TRAIN_AB[int(k.split()[1])] if k.startswith('ours') else k}"
-            for k, t in times.items()), flush=True)
+        print(f"train-ab {name}: " + "  ".join(f"{statistics.median(t):.3f}:{k}" for k, t in times.items()),
+              flush=True)
         del q, docs
 
 
@@ -507,12 +507,10 @@ def profile_steps(dev):
     from torch.profiler import ProfilerActivity, profile
     for name, Nq, B, Ld, tau in (("colpali B256", 256, 256, 1030, None), ("smooth B128", 128, 128, 1030, 0.1),
                                  ("colbert B128", 128, 128, 300, None), ("colpali B64", 64, 64, 1030, None)):
-        q = torch.randn(Nq, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        docs = torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.arange(Nq, device=dev) % B
+        q, docs, loss_of = training_problem(dev, Nq, B, 32, Ld, 0)
 
         def step():
-            torch.nn.functional.cross_entropy(fm.maxsim(q, docs, smooth_tau=tau), labels).backward()
+            loss_of(fm.maxsim(q, docs, smooth_tau=tau)).backward()
         for _ in range(3):
             step()
         torch.cuda.synchronize()

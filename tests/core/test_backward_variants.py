@@ -191,7 +191,6 @@ def test_several_documents_per_program_only_for_padded_scoring(overrides, monkey
     assert len(plans) == 3 and all(p.meta["DOCS"] == 1 for p in plans)
 
 
-
 @pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}])
 def test_document_gradient_goes_to_the_first_of_tied_tokens(overrides, method):
     """Documents whose tokens are all equal: every query token's first arg-max is token 0 (the tie rule), so
@@ -214,8 +213,8 @@ def test_document_gradient_goes_to_the_first_of_tied_tokens(overrides, method):
 
 def _half_way_problem(dtype, dev):
     """Queries, documents, and an upstream gradient G in [1, 2) exactly half-way between two neighbours of the
-    16-bit dtype (rounding G to it is off by half a unit), with the float64 hard-max dD they give and the sum of
-    the magnitudes of its terms (what a rounding of G scales with)."""
+    16-bit dtype (rounding G to it is off by half a unit), with the float64 arg-max [Nq, T, Lq], the hard-max dD
+    they give and the sum of the magnitudes of its terms (what a rounding of G scales with)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(6, 8, 32, generator=gen).to(dtype).to(dev)
     docs = torch.randn(4, 5, 32, generator=gen).to(dtype).to(dev)
@@ -229,7 +228,7 @@ def _half_way_problem(dtype, dev):
             term = q[qi].double() * g[qi, t].double()
             want[t].index_add_(0, chosen[qi, t], term)
             magnitude[t].index_add_(0, chosen[qi, t], term.abs())
-    return q, docs, g, want, magnitude
+    return q, docs, g, chosen, want, magnitude
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -238,7 +237,7 @@ def test_hard_max_document_gradient_rounding(overrides, dtype):
     own 16-bit autograd rounds it), then dD itself is rounded: |error| <= u (|dD| + sum of |terms|), u the unit
     roundoff."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, docs, g, want, magnitude = _half_way_problem(dtype, dev)
+    q, docs, g, _, want, magnitude = _half_way_problem(dtype, dev)
     docs.requires_grad_()
     with force_backend("triton"):
         (fm.maxsim(q, docs) * g).sum().backward()
@@ -256,13 +255,13 @@ def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype):
     would be off by up to half a unit of the dtype."""
     from flash_maxsim import _layout, ops
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, docs, g, want, _ = _half_way_problem(dtype, dev)
+    q, docs, g, chosen, want, _ = _half_way_problem(dtype, dev)
     p = _layout.canonicalize(q, docs)
     with force_backend("triton"):
         _, aux = ops.forward_impl(p.queries, p.documents, None, None, None, p.max_length, 0, False, None, True)
         dq, dd = ops.maxsim_backward(g, p, aux, fp32_grads=True)
     assert dq.dtype == dd.dtype == torch.float32
     torch.testing.assert_close(dd.double(), want, rtol=1e-6, atol=1e-6)
-    chosen = torch.einsum("qid,tjd->qtij", q.double(), docs.double()).argmax(-1)
-    want_dq = torch.einsum("qt,qtid->qid", g.double(), docs.double()[torch.arange(4, device=dev)[None, :, None], chosen])
+    want_dq = torch.einsum("qt,qtid->qid", g.double(),
+                           docs.double()[torch.arange(4, device=dev)[None, :, None], chosen])
     torch.testing.assert_close(dq.double(), want_dq, rtol=1e-6, atol=1e-6)

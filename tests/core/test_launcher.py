@@ -296,4 +296,3 @@ def test_no_query_gradient_column_split_over_64_columns_or_fewer(monkeypatch):
                                 True, False)
         target = launched[0][1][7]
         assert (target.shape[0] > 1) == split and (target.data_ptr() == dq.data_ptr()) != split
-

@@ -273,4 +273,3 @@ def maxsim_bwd_dd_dense_kernel(
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
-

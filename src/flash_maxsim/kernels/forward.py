@@ -68,8 +68,9 @@ def _fold_tile(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running max / log-sum-exp state of every row. ``PARTIAL``: the
-    tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test."""
+    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running max / log-sum-exp state of every row.
+    ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
+    per-element test."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q)

@@ -439,7 +439,8 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
             dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
             dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
-            n_nblocks = _cdiv(max_len, dd_block_n)
+            # padded documents: blocks over all Ld rows, so that every row of dD is written (it is allocated empty)
+            n_nblocks = _cdiv(Ld if offsets is None else max_len, dd_block_n)
             plan.dd_grid = (T * n_nblocks * d_chunks,)
             plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
             # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit
@@ -498,16 +499,15 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     if need_dd:
         out_dtype = grad_dtype or documents.dtype
         if plan.dd_method == "dense":
-            # the kernel writes every row of every padded document (zeros where nothing flows); packed values
-            # may hold rows past offsets[-1] when the caller supplied max_length (offsets then go unchecked)
+            # the kernel writes every row of every padded document (zeros where nothing flows; an empty grid means
+            # no rows); packed values may hold rows past offsets[-1] when the caller supplied max_length (offsets
+            # then go unchecked)
             dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=out_dtype, device=device)
             if plan.dd_grid[0] > 0:
                 out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
                 _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, dd),
                                  (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
-            elif dd.numel() > 0:
-                dd.zero_()
         else:
             dd = torch.zeros(documents.shape, dtype=out_dtype, device=device)
             if aux.numel() == 0:
