@@ -187,6 +187,43 @@ def bandwidth_rows(dev, rounds=3, only="", variants="default"):
         del q, docs
 
 
+# session 9: grids sized to PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents in one
+# loop (persistent-style), on every forward row and issue 7's int8 rows
+PERSIST_SWEEP = [{}, {"PROGRAMS_PER_SM": 1}, {"PROGRAMS_PER_SM": 2}, {"PROGRAMS_PER_SM": 4},
+                 {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}]
+INT8_ROWS = [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]
+
+
+# session 9, on the int8 grids of 8 / 16 programs per SM: tiles, warps (the 1024x1024 row ran at 2 blocks of 4
+# warps per SM, register-bound, ALU the busiest pipe at 60%: device call 1, ncu), stages, grid sizes
+INT8_TILE_SWEEP = [{}, {"PROGRAMS_PER_SM": 6}, {"PROGRAMS_PER_SM": 12}, {"PROGRAMS_PER_SM": 32}, {"num_stages": 2},
+                   {"num_stages": 4}, {"BLOCK_N": 64}, {"BLOCK_N": 128}, {"num_warps": 4}, {"num_warps": 8},
+                   {"ROWS": 64, "BLOCK_N": 128, "PROGRAMS_PER_SM": 16}]
+
+
+def persist_rows(dev, rounds=3, variants=None, int8_only=False):
+    """``variants`` (PERSIST_SWEEP) on every forward row (bf16) and the int8 rows, interleaved round by round;
+    medians."""
+    import statistics
+    variants = variants or PERSIST_SWEEP
+    cases = []
+    for Nq, B, Lq, Ld, d in ([] if int8_only else FORWARD_SHAPES):
+        q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
+        docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
+        cases.append((f"bf16 {Nq}x{B} {Lq}x{Ld} d={d}", lambda q=q, docs=docs: fm.maxsim(q, docs)))
+    for Nq, B, Lq, Ld in INT8_ROWS:
+        q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
+        index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))
+        cases.append((f"int8 {Nq}x{B} {Lq}x{Ld}", lambda q=q, index=index: fm.maxsim(q, index)))
+    for name, fn in cases:
+        times = {}
+        for _ in range(rounds):
+            for t, v in forward_sweep(fn, variants):
+                times.setdefault(str(v), []).append(t)
+        ranked = sorted((statistics.median(v), k) for k, v in times.items())
+        print(f"persist {name}: " + "  ".join(f"{t:.4f}:{k}" for t, k in ranked), flush=True)
+
+
 def forward_table(dev, quick, sweep):
     rows = []
     for Nq, B, Lq, Ld, d in FORWARD_SHAPES:
@@ -211,10 +248,11 @@ def forward_table(dev, quick, sweep):
     return rows
 
 
-# session 8: the dense dD's gradient split (hi + lo) against G rounded to 16 bits, its stages, the sorted dD; earlier
-# sweeps (forward tiles, dD tiles and warps, a gathered-hits dD) are in benchmarks/results/run14 and run16
-TRAIN_SWEEP = [{}, {"bwd": {"G_SPLIT": False}}, {"bwd": {"DD_STAGES": 2}}, {"bwd": {"DD_METHOD": "sparse"}},
-               {"bwd": {"DD_WARPS": 8}}, {"bwd": {"DD_BLOCK_N": 128, "DD_WARPS": 8}}]
+# session 9: dQ and dD in one launch (FUSED), its stages, without the dQ column split; earlier sweeps (the dD's
+# gradient split, stages, sorted dD, forward tiles, dD tiles and warps, a gathered-hits dD) are in
+# benchmarks/results/run14, run16 and run17
+TRAIN_SWEEP = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}}, {"bwd": {"FUSED": True, "FUSED_STAGES": 2}},
+               {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}]
 
 
 def training_problem(dev, Nq, B, Lq, Ld, K):
@@ -267,14 +305,18 @@ def train_table(dev, sweep=False):
             def dd_only():
                 launch.backward(g, p.queries, p.documents, None, None, None, p.max_length, aux, p.candidates, tau,
                                 False, True)
+
+            def backward_only():
+                launch.backward(g, p.queries, p.documents, None, None, None, p.max_length, aux, p.candidates, tau,
+                                True, True)
             res = []
             for v in TRAIN_SWEEP:
                 launch.FORWARD_OVERRIDES.clear(); launch.FORWARD_OVERRIDES.update(v.get("fwd", {}))
                 launch.BACKWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.update(v.get("bwd", {}))
-                res.append((bench(ours), peak_mb(ours), bench(dd_only), v))
+                res.append((bench(ours), peak_mb(ours), bench(dd_only), bench(backward_only), v))
             launch.FORWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.clear()
-            print(f"train-sweep {name}: " + "  ".join(f"step {t:.3f}ms/{m:.0f}MB dD {dd:.3f}ms:{v}"
-                                                      for t, m, dd, v in res), flush=True)
+            print(f"train-sweep {name}: " + "  ".join(f"step {t:.3f}ms/{m:.0f}MB dD {dd:.3f}ms bwd {bw:.3f}ms:{v}"
+                                                      for t, m, dd, bw, v in res), flush=True)
             del aux
         row = dict(case=name, ours_ms=bench(ours), ours_mb=peak_mb(ours))
         try:
@@ -290,7 +332,8 @@ def train_table(dev, sweep=False):
     return rows
 
 
-TRAIN_AB = [{}, {"bwd": {"DQ_PARTIAL_BYTES": 0}}]
+TRAIN_AB = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}},
+            {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}]
 
 
 def train_ab(dev, rounds=7):
@@ -320,8 +363,8 @@ def train_ab(dev, rounds=7):
         # launches
         graphed = {}
         for label, (overrides, fn) in steps.items():
-            if overrides:
-                continue
+            launch.BACKWARD_OVERRIDES.clear()
+            launch.BACKWARD_OVERRIDES.update(overrides or {})
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -336,6 +379,7 @@ def train_ab(dev, rounds=7):
             except Exception as exc:     # a peer whose step does not capture: say so
                 graphed[label] = f"no graph ({type(exc).__name__})"
             q.grad = docs.grad = None
+        launch.BACKWARD_OVERRIDES.clear()
         print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
                                                   for k, v in graphed.items()), flush=True)
         print(f"train-ab {name}: " + "  ".join(f"{statistics.median(t):.3f}:{k}" for k, t in times.items()),
@@ -371,7 +415,7 @@ INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
               {"num_warps": 2}, {"num_warps": 2, "DOCS": 1}, {"num_warps": 2, "DOCS": 2}, {"DOCS": 4},
               {"DOCS": 2, "num_stages": 4}, {"DOCS": 2, "num_warps": 8}]
 
-def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "DOCS")):
+def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "MULTI_DOC")):
     """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which
     tensor-core instructions its PTX uses (Hopper's asynchronous wgmma or the older synchronous mma)."""
     for cache in getattr(kernel, "device_caches", {}).values():
@@ -392,7 +436,7 @@ def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOK
 def int8_table(dev):
     """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor;
     the default quantises the query in the kernel and multiplies int8 x int8, INT8_PRODUCTS=False converts."""
-    for Nq, B, Lq, Ld in [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]:
+    for Nq, B, Lq, Ld in INT8_ROWS:
         q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
         index = fm.quantize(torch.randn(B, Ld, 128, device=dev, dtype=torch.bfloat16))
         res = forward_sweep(lambda: fm.maxsim(q, index), INT8_SWEEP)
@@ -542,6 +586,8 @@ def main():
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
     ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
+    ap.add_argument("--persist", action="store_true", help="PERSIST_SWEEP on every forward row and the int8 rows")
+    ap.add_argument("--int8-tiles", action="store_true", help="INT8_TILE_SWEEP on the int8 rows")
     ap.add_argument("--bandwidth", action="store_true",
                     help="one-query bandwidth-bound rows: tile variants against both peers, interleaved")
     ap.add_argument("--bandwidth-only", default="", help="with --bandwidth: only this row, as LqxLd (e.g. 32x1030)")
@@ -561,6 +607,10 @@ def main():
         int8_table(dev)
         from flash_maxsim.kernels.forward import maxsim_fwd_kernel
         compiled_report(maxsim_fwd_kernel)
+    if args.persist:
+        persist_rows(dev)
+    if args.int8_tiles:
+        persist_rows(dev, variants=INT8_TILE_SWEEP, int8_only=True)
     if args.fp32:
         fp32_table(dev)
     if args.bandwidth:

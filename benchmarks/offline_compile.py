@@ -110,7 +110,7 @@ CASES = [
     Case("fp32 tf32", lambda: (_q(4, 32, 128, FP32), _docs(100, 180, 128, FP32), None, None),
          fp32_precision="high"),
     # compressed index
-    Case("int8 1x3k 32x300 (4 documents per program)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128),
+    Case("int8 1x3k 32x300 (several documents per program)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128),
                                                                 None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
@@ -137,6 +137,9 @@ CASES = [
     Case("train bf16 dD, gradient not split", lambda: (_q(4, 32, 128), _docs(8, 300, 128), _mask(4, 32),
                                                         _mask(8, 300)), training=True,
          backward_overrides={"G_SPLIT": False, "DD_STAGES": 2}),
+    Case("train bf16 dQ and dD in separate launches", lambda: (_q(16, 32, 128), _docs(16, 300, 128), _mask(16, 32),
+                                                                _mask(16, 300)),
+         training=True, backward_overrides={"FUSED": False}),
 ]
 
 
@@ -243,7 +246,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
 
 
 _SHOWN_META = ("QUANTIZE_Q", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX", "ROW_OUT", "QPB", "TOKB",
-               "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "DOCS")
+               "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

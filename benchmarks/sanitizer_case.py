@@ -61,17 +61,19 @@ def main():
         finally:
             launch.FORWARD_OVERRIDES.pop("INT8_PRODUCTS")
         check("int8 converted", got, reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
-        # 4 documents per program (forced: the default takes it from 16 documents per SM): the bandwidth-bound
+        # 4 documents per program (forced: the default's grid of 8 programs per SM leaves one document per program
+        # at this size): the bandwidth-bound
         # grid, and the compute-bound one with the query's tokens split over programs (300 tokens, 3 splits of
         # 128 rows; 11 documents: programs of 4, 4 and 3) at d = 16 (features zero-padded to 32)
         index = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf))
         narrow = fm.quantize(torch.randn(11, 70, 16, device=dev, dtype=bf))
         long_q16 = torch.randn(2, 300, 16, device=dev, dtype=bf)
-        launch.FORWARD_OVERRIDES["DOCS"] = 4
+        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0)
         try:
             grouped, grouped_split = fm.maxsim(q2[:1], index), fm.maxsim(long_q16, narrow)
         finally:
             launch.FORWARD_OVERRIDES.pop("DOCS")
+            launch.FORWARD_OVERRIDES.pop("PROGRAMS_PER_SM")
         check("int8 grouped", grouped,
               reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
         check("int8 grouped, query split", grouped_split,

@@ -63,7 +63,9 @@ def _grads(q, docs, **kw):
     return out, ref, q.grad, q64.grad, grad_of(d), grad_of(d64)
 
 
-@pytest.mark.parametrize("method", [{"DD_METHOD": "sparse"}, {"DD_METHOD": "dense", "G_SPLIT": False}])
+@pytest.mark.parametrize("method", [{"DD_METHOD": "sparse"}, {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": False},
+                                    {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": True}],
+                         ids=["sparse", "dense", "dense-fused-with-dq"])
 @pytest.mark.parametrize("layout", ["in-batch", "candidates", "packed"])
 def test_hard_max_document_gradient_methods(overrides, layout, method):
     overrides.BACKWARD_OVERRIDES.update(method)
@@ -87,14 +89,18 @@ def test_document_token_split_forward(overrides, smooth_tau):
     _assert_forward_matches_reference(*_masked_padded_problem(2, 5, 3, 200, 16, 0.7, 0.5, seed=12), smooth_tau)
 
 
-def test_query_gradient_column_split(overrides):
-    # 130 columns against a single query block: the dQ grid is split over columns (partial sums; not at <= 64)
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-with-dd"])
+def test_query_gradient_column_split(overrides, fused):
+    # 300 columns against a single query block: the dQ grid is split over columns (partial sums; not at <= 64
+    # columns, nor at <= 256 in the launch of the dD programs), in its own launch or in the dD's (hard max)
+    overrides.BACKWARD_OVERRIDES["FUSED"] = fused
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(13)
     q = torch.randn(1, 5, 16, generator=g).to(dev)
-    docs = torch.randn(130, 6, 16, generator=g).to(dev)
-    assert launch._backward_plan(torch.zeros(1, 130), q, docs, None, None, None, 6,
-                                 torch.zeros(1, 130, 5, dtype=torch.int16), 0, None, True, False, None).n_cs > 1
+    docs = torch.randn(300, 6, 16, generator=g).to(dev)
+    plan = launch._backward_plan(torch.zeros(1, 300), q, docs, None, None, None, 6,
+                                 torch.zeros(1, 300, 5, dtype=torch.int16), 0, None, True, True, None)
+    assert plan.n_cs > 1 and plan.fused == fused
     with force_backend("triton"):
         for tau in (None, 0.3):
             out, ref, gq, gq64, gd, gd64 = _grads(q, docs, smooth_tau=tau)
@@ -162,16 +168,20 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
 
 
 @pytest.mark.parametrize("smooth_tau", [None, 0.3])
-def test_several_documents_per_program(overrides, smooth_tau, monkeypatch):
-    """DOCS documents per program stream all their tiles in one loop and write each score at its document's last
-    tile: 7 documents over programs of 3 (the last program has one), 50 tokens in 16-token tiles (a partial last
-    tile), an all-masked document, a second query block and a query longer than one row tile."""
+@pytest.mark.parametrize("grouping, docs, groups", [({"DOCS": 3}, 3, 3), ({"PROGRAMS_PER_SM": 2}, 6, 2)])
+def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, groups, monkeypatch):
+    """Several documents per program stream all their tiles in one loop and write each score at its document's
+    last tile: 7 documents over programs of 3 (the last program has one), or sized by PROGRAMS_PER_SM (2 per SM
+    of 4 SMs: 8 program slots for 7 documents x 3 queries x 2 row tiles, so 6 documents per program, the last
+    has one); 50 tokens in 16-token tiles (a partial last tile), an all-masked document, a second query block and
+    a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-    overrides.FORWARD_OVERRIDES.update(DOCS=3, BLOCK_N=16, ROWS=16)
+    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
+    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, **grouping)
     _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, 50, 16, 0.8, 0.6, seed=16), smooth_tau)
     plans = list(launch._FORWARD_PLANS.values())
-    # 3 groups of documents x 3 queries x 2 row tiles
-    assert plans and all(p.meta["DOCS"] == 3 and p.grid == (3 * 3 * 2,) for p in plans)
+    # groups of documents x 3 queries x 2 row tiles
+    assert plans and all(p.docs == docs and p.grid == (groups * 3 * 2,) for p in plans)
 
 
 def test_several_documents_per_program_only_for_padded_scoring(overrides, monkeypatch):
@@ -188,7 +198,7 @@ def test_several_documents_per_program_only_for_padded_scoring(overrides, monkey
             fm.maxsim(q, [torch.randn(n, 16, generator=g).to(dev) for n in (3, 9)])
         fm.maxsim(q, torch.randn(3, 9, 16, generator=g).to(dev).requires_grad_()).sum().backward()
     plans = list(launch._FORWARD_PLANS.values())
-    assert len(plans) == 3 and all(p.meta["DOCS"] == 1 for p in plans)
+    assert len(plans) == 3 and all(p.docs == 1 for p in plans)
 
 
 @pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}])

@@ -155,18 +155,30 @@ def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch)
     assert launch.forward_config(4, 8, 32, 300, 128, True, True)["PEEL_TAIL"] is True
 
 
-def test_several_documents_per_program_only_for_int8_products_over_many_documents(monkeypatch):
-    """4 documents per program where it was measured: int8 products, one query's bandwidth-bound scoring over at
-    least 16 documents per SM, or compute-bound scoring (long queries, many programs); bf16 documents, a few
-    documents and training keep one per program."""
+def test_several_documents_per_program_for_int8_products(monkeypatch):
+    """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 16 (compute-bound: long
+    queries over many documents), each program scoring an equal share of the documents; bf16 documents keep one
+    per program, and so do int8 ones too few to share."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
-    many = 16 * launch._sm_count()
-    assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 4
-    assert launch.forward_config(1, many - 1, 32, 300, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
-    assert launch.forward_config(1, many, 32, 300, 128, False, False, torch.bfloat16, False)["DOCS"] == 1
-    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 4
-    assert launch.forward_config(1, many, 1024, 1024, 128, False, False, torch.bfloat16, False)["DOCS"] == 1
-    assert launch.forward_config(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True)["DOCS"] == 1
+
+    def programs_per_sm(*args):
+        return launch.forward_config(*args)["PROGRAMS_PER_SM"]
+    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True) == 8
+    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, False) == 0
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, True) == 16
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, False) == 0
+    assert programs_per_sm(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True) == 0
+
+    def plan(B, Lq, Ld):
+        return launch._forward_plan(torch.empty(1, Lq, 128, dtype=torch.bfloat16),
+                                    torch.empty(B, Ld, 128, dtype=torch.int8), None, None, None, 0, False, None,
+                                    False, Ld, torch.empty(B, Ld))
+    p = plan(10000, 32, 300)            # 1,056 program slots: 10 documents each, 1,000 programs
+    assert p.docs == 10 and p.grid == (1000,) and p.meta["MULTI_DOC"]
+    p = plan(10000, 1024, 1024)         # 8 row tiles per document, 2,112 slots: 38 documents per program
+    assert p.docs == 38 and p.grid == (264 * 8,) and p.meta["MULTI_DOC"]
+    p = plan(500, 32, 300)
+    assert p.docs == 1 and p.grid == (500,) and not p.meta["MULTI_DOC"]
 
 
 def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):
@@ -249,7 +261,9 @@ def test_backward_plan_is_built_once_per_problem_and_launches_the_same(monkeypat
         dq, dd = launch.backward(g, queries, documents, None, m, None, 40, aux, 0, smooth_tau, True, True)
         return list(launched)
     first = step()
-    assert [k for k, *_ in first] == [launch.maxsim_bwd_dq_kernel, launch.maxsim_bwd_dd_dense_kernel]
+    # the hard max: both gradients in one launch
+    assert [k for k, *_ in first] == ([launch.maxsim_bwd_fused_kernel] if smooth_tau is None
+                                      else [launch.maxsim_bwd_dq_kernel, launch.maxsim_bwd_dd_dense_kernel])
     assert step() == first and len(built) == 1
     step(g=torch.randn(64, 2).t())                     # the loss's gradient transposed: other strides
     assert len(built) == 2 and launched[0][2] != first[0][2]
@@ -260,9 +274,11 @@ def test_backward_plan_is_built_once_per_problem_and_launches_the_same(monkeypat
 
 def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     """The dQ column splits' fp32 partial sums must not live on while dD (as large as the documents) is
-    allocated and computed: they would add to the training step's peak memory."""
+    allocated and computed in its own launch: they would add to the training step's peak memory. (In the hard
+    max's single launch they do, above 256 columns only: test_both_gradients_in_one_launch_for_the_hard_max.)"""
     import weakref
     from flash_maxsim.kernels import launch
+    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "FUSED", False)
     partials = []
 
     def record(kernel, grid, tensors, scalars, meta, meta_key=None):
@@ -282,17 +298,46 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     assert splits > 1          # the case above does split the column loop
 
 
-def test_no_query_gradient_column_split_over_64_columns_or_fewer(monkeypatch):
-    """At most 64 columns: one dQ launch writing dQ itself, no partial sums (host-bound step sizes)."""
+def _recorded_launches(monkeypatch):
     from flash_maxsim.kernels import launch
     launched = []
     monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, meta_key=None:
                         launched.append((kernel, tensors)))
-    for columns, split in ((64, False), (65, True)):
+    return launched
+
+
+@pytest.mark.parametrize("need_dd, unsplit_up_to", [(False, 64), (True, 256)], ids=["dq-alone", "hard-max-both"])
+def test_query_gradient_column_split_thresholds(monkeypatch, need_dd, unsplit_up_to):
+    """dQ unsplit, written in place, up to 64 columns in its own launch (host-bound step sizes) and up to 256 in the
+    hard max's single launch for both gradients (dQ's programs, then dD's, which run beside them); one column more
+    splits the column loop (fp32 partial sums)."""
+    from flash_maxsim.kernels import backward as kernels
+    from flash_maxsim.kernels import launch
+    launched = _recorded_launches(monkeypatch)
+    for columns in (unsplit_up_to, unsplit_up_to + 1):
+        split = columns > unsplit_up_to
         launched.clear()
         queries, documents = torch.randn(2, 8, 32), torch.randn(columns, 40, 32)
         aux = torch.zeros(2, columns, 8, dtype=torch.int16)
-        dq, _ = launch.backward(torch.randn(2, columns), queries, documents, None, None, None, 40, aux, 0, None,
-                                True, False)
+        dq, dd = launch.backward(torch.randn(2, columns), queries, documents, None, None, None, 40, aux, 0, None,
+                                 True, need_dd)
+        kernel = kernels.maxsim_bwd_fused_kernel if need_dd else kernels.maxsim_bwd_dq_kernel
+        assert [k for k, _ in launched] == [kernel]
         target = launched[0][1][7]
         assert (target.shape[0] > 1) == split and (target.data_ptr() == dq.data_ptr()) != split
+        if need_dd:
+            assert launched[0][1][8].data_ptr() == dd.data_ptr() and dd.shape == documents.shape
+
+
+def test_smooth_max_and_single_gradients_keep_their_own_launches(monkeypatch):
+    """The smooth max's dD takes other tiles than dQ: two launches; one gradient asked for: one launch."""
+    from flash_maxsim.kernels import backward as kernels
+    from flash_maxsim.kernels import launch
+    launched = _recorded_launches(monkeypatch)
+    queries, documents = torch.randn(2, 8, 32), torch.randn(5, 40, 32)
+    for tau, need_dd, expected in ((0.1, True, [kernels.maxsim_bwd_dq_kernel, kernels.maxsim_bwd_dd_dense_kernel]),
+                                   (None, False, [kernels.maxsim_bwd_dq_kernel])):
+        launched.clear()
+        aux = torch.zeros(2, 5, 8, dtype=torch.float32 if tau else torch.int16)
+        launch.backward(torch.randn(2, 5), queries, documents, None, None, None, 40, aux, 0, tau, True, need_dd)
+        assert [k for k, _ in launched] == expected

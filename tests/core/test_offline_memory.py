@@ -15,14 +15,18 @@ from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs 
 
 
 def _expected_mib(step: TrainingStep, elem=2):
-    """The larger of the two phases of the backward: dQ (its fp32 column-split partial sums, at most
-    max(8 MiB, the fp32 dQ), and their sum) and dD (the documents' gradient, with dQ done)."""
+    """Smooth max: the larger of the two launches of the backward, dQ's (its fp32 column-split partial sums, at
+    most max(8 MiB, the fp32 dQ), and their sum) and dD's (the documents' gradient, with dQ done). Hard max: one
+    launch for both, the partial sums (above 256 columns only) beside the documents' gradient."""
     C = step.B
     n_docs = step.Nq * step.B if step.kd else step.B
     scores, loss_temporaries = step.Nq * C * 4, 3 * step.Nq * C * 4 + 4096
     saved = step.Nq * C * step.Lq * (4 if step.smooth_tau is not None else 2)      # int16 arg-max / fp32 lse
     dq, dq_fp32 = step.Nq * step.Lq * step.d * elem, step.Nq * step.Lq * step.d * 4
     dd = n_docs * step.Ld * step.d * elem
+    if step.smooth_tau is None:
+        partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 256 else 0
+        return (scores + loss_temporaries + saved + partials + dq + dd) / MiB
     dq_phase = scores + loss_temporaries + saved + max(8 * MiB, dq_fp32) + dq_fp32 + dq
     dd_phase = scores + loss_temporaries + saved + dq + dd
     return max(dq_phase, dd_phase) / MiB

@@ -113,11 +113,12 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
     if layout == "grouped":
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
     assert plan.meta["QUANTIZE_Q"] and plan.row_out == (layout == "sliced")
-    assert plan.meta["DOCS"] == (3 if layout == "grouped" else 1)
+    assert plan.docs == (3 if layout == "grouped" else 1)
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
     assert values[0, 1, :3].tolist() == [127, 0, 2]
@@ -152,7 +153,7 @@ def test_int8_products_several_documents_per_program_with_query_splits(smooth, m
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
-    assert plan.meta["QUANTIZE_Q"] and plan.meta["DOCS"] == 3 and plan.n_splits == 3 and plan.meta["BLOCK_D"] == 32
+    assert plan.meta["QUANTIZE_Q"] and plan.docs == 3 and plan.n_splits == 3 and plan.meta["BLOCK_D"] == 32
     want = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), qm, dm,
                             smooth_tau=smooth)
     assert (got[:, 3] == 0).all()

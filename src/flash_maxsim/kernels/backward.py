@@ -14,6 +14,9 @@ Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary va
     dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (maxsim_bwd_dd_dense_kernel)
   ``P * G`` is rounded to the input dtype before the tensor-core product, as flash attention rounds ``P``.
 Masked (constant) similarities get no gradient in either mode.
+
+Each kernel's body is a ``_*_program(pid, ...)`` function; ``maxsim_bwd_fused_kernel`` runs dQ's programs and the
+dense dD's in one grid (one launch for both gradients of the hard max, whose tiles agree).
 """
 
 import triton
@@ -34,8 +37,8 @@ def _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, 
 
 
 @triton.jit
-def maxsim_bwd_dq_kernel(
-    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
+def _dq_program(
+    pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
     Nq, Lq, d, Ld, C, K,
     n_qblocks, n_splits, n_csplits, cols_per_split,
     stride_gn, stride_gc,
@@ -51,9 +54,8 @@ def maxsim_bwd_dq_kernel(
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # program: QPB queries x TOKB tokens (one query when PAIRED), a range of columns, one BLOCK_D feature slice
+    # program pid: QPB queries x TOKB tokens (one query when PAIRED), a range of columns, one BLOCK_D feature slice
     BLOCK_M: tl.constexpr = QPB * TOKB
-    pid = tl.program_id(0).to(tl.int64)
     kc = pid % D_CHUNKS
     rest = pid // D_CHUNKS
     cs = rest % n_csplits
@@ -165,8 +167,8 @@ def maxsim_bwd_dd_sparse_kernel(
 
 
 @triton.jit
-def maxsim_bwd_dd_dense_kernel(
-    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
+def _dd_dense_program(
+    pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
     Nq, Lq, d, Ld, K,
     n_nblocks,
     stride_gn, stride_gc,
@@ -182,10 +184,9 @@ def maxsim_bwd_dd_dense_kernel(
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
 ):
-    # program: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows.
+    # program pid: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows.
     # dD_tile += (W * G)^T @ Q_rows with W = P (smooth) or the one-hot of the arg-max (hard), on tensor cores.
     BLOCK_M: tl.constexpr = QPB * TOKB
-    pid = tl.program_id(0).to(tl.int64)
     kc = pid % D_CHUNKS
     rest = pid // D_CHUNKS
     nb = rest % n_nblocks
@@ -273,3 +274,97 @@ def maxsim_bwd_dd_dense_kernel(
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def maxsim_bwd_dq_kernel(
+    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
+    Nq, Lq, d, Ld, C, K,
+    n_qblocks, n_splits, n_csplits, cols_per_split,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_dt, stride_dl, stride_dd,
+    stride_qmn, stride_qml,
+    stride_dmt, stride_dml,
+    stride_an, stride_ac, stride_al,
+    stride_os, stride_on, stride_ol, stride_od,
+    inv_tau_log2e,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    _dq_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
+                Nq, Lq, d, Ld, C, K, n_qblocks, n_splits, n_csplits, cols_per_split,
+                stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
+                stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
+                stride_os, stride_on, stride_ol, stride_od, inv_tau_log2e,
+                PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
+                PRECISION)
+
+
+@triton.jit
+def maxsim_bwd_dd_dense_kernel(
+    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
+    Nq, Lq, d, Ld, K,
+    n_nblocks,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_dt, stride_dl, stride_dd,
+    stride_qmn, stride_qml,
+    stride_dmt, stride_dml,
+    stride_an, stride_ac, stride_al,
+    stride_odt, stride_odl, stride_odd,
+    inv_tau_log2e,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+):
+    _dd_dense_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
+                      Nq, Lq, d, Ld, K, n_nblocks,
+                      stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
+                      stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
+                      stride_odt, stride_odl, stride_odd, inv_tau_log2e,
+                      PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
+                      PRECISION, G_SPLIT)
+
+
+@triton.jit
+def maxsim_bwd_fused_kernel(
+    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ, DD,
+    Nq, Lq, d, Ld, C, K,
+    n_qblocks, n_splits, n_csplits, cols_per_split, n_nblocks, n_dq_programs,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_dt, stride_dl, stride_dd,
+    stride_qmn, stride_qml,
+    stride_dmt, stride_dml,
+    stride_an, stride_ac, stride_al,
+    stride_os, stride_on, stride_ol, stride_od,
+    stride_odt, stride_odl, stride_odd,
+    inv_tau_log2e,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+):
+    """Both gradients in one launch (one launch less per step, where the host bounds a small step): the first
+    ``n_dq_programs`` programs are the dQ kernel's, the rest the dense dD kernel's, with the same tiles."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < n_dq_programs:
+        _dq_program(pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
+                    Nq, Lq, d, Ld, C, K, n_qblocks, n_splits, n_csplits, cols_per_split,
+                    stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
+                    stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
+                    stride_os, stride_on, stride_ol, stride_od, inv_tau_log2e,
+                    PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
+                    PRECISION)
+    else:
+        _dd_dense_program(pid - n_dq_programs, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
+                          Nq, Lq, d, Ld, K, n_nblocks,
+                          stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
+                          stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
+                          stride_odt, stride_odl, stride_odd, inv_tau_log2e,
+                          PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS,
+                          UPCAST, PRECISION, G_SPLIT)

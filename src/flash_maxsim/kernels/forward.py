@@ -1,7 +1,7 @@
 """Fused MaxSim forward kernel.
 
-One program scores a tile of query-token rows against one document (or ``DOCS`` padded documents, one after
-the other, for bandwidth-bound scoring). The rows are ``QPB`` queries times
+One program scores a tile of query-token rows against one document (or ``docs_per_program`` padded documents,
+one after the other, when ``MULTI_DOC``: bandwidth-bound scoring). The rows are ``QPB`` queries times
 ``TOKB`` tokens (``TOKB`` a power of two >= Lq, or a slice of a long query, see ``split``). The program streams
 the document ``BLOCK_N`` tokens at a time, computes the similarity tile ``S = Q_rows @ D_tile^T`` in registers
 (tensor cores through ``tl.dot``), applies the masks and folds the tile into a running max (hard) or a running
@@ -139,7 +139,7 @@ def _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, str
 @triton.jit
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
-    Nq, Lq, d, Ld, K, n_docs,
+    Nq, Lq, d, Ld, K, n_docs, docs_per_program,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
     stride_dt, stride_dl, stride_dd,
@@ -153,7 +153,7 @@ def maxsim_fwd_kernel(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
-    DOCS: tl.constexpr,
+    MULTI_DOC: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -216,16 +216,16 @@ def maxsim_fwd_kernel(
     arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)    # hard max: first arg-max so far
 
     ncols = tl.arange(0, BLOCK_N)
-    if DOCS > 1:
-        # DOCS padded documents per program (bandwidth-bound scoring): one loop over all their tiles, so that
-        # loads stream on across document boundaries and the query tile is loaded (and quantised) once
+    if MULTI_DOC:
+        # docs_per_program padded documents per program (bandwidth-bound scoring): one loop over all their tiles,
+        # so that loads stream on across document boundaries and the query tile is loaded (and quantised) once
         tiles = tl.cdiv(Ld, BLOCK_N)
         cols64 = ncols.to(tl.int64)        # token offsets times strides may pass 2^31 (a transposed index)
-        # the last program's group may hold fewer than DOCS documents
-        for i in range(0, tl.minimum(n_docs - t * DOCS, DOCS).to(tl.int32) * tiles):
+        # the last program's group may hold fewer documents
+        for i in range(0, tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32) * tiles):
             j = i // tiles
             n0 = (i - j * tiles) * BLOCK_N
-            tj = t * DOCS + j
+            tj = t * docs_per_program + j
             m, acc, arg = _fold_tile(
                 m, acc, arg, n0, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
                 SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,

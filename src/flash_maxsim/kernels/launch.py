@@ -18,7 +18,8 @@ import torch
 
 from . import _launcher
 from .._layout import aux_dtype
-from .backward import maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel
+from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel,
+                       maxsim_bwd_fused_kernel)
 from .forward import maxsim_fwd_kernel
 
 
@@ -101,7 +102,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
-               DOCS=1)
+               DOCS=1, PROGRAMS_PER_SM=0)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -113,9 +114,11 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
             if int8_products:
                 # integer products: 128 rows x 128-token tiles on 4 warps instead (session 5, 1x10k 1024x1024:
-                # 5.89 vs 7.95 ms with 256 rows x 64 tokens), 4 documents per program so that each program
-                # quantises its query rows once for 4 documents (session 7, run 12: 4.75 vs 5.95 ms; 2: 5.28)
-                cfg.update(BLOCK_N=128, DOCS=4)
+                # 5.89 vs 7.95 ms with 256 rows x 64 tokens), several documents per program so that each program
+                # quantises its query rows once for all of them (session 7, run 12, 4 documents: 4.75 vs 5.95 ms);
+                # as many as make 16 programs per SM (session 9, device call 1: 4.31 ms; 8: 4.36, 4: 4.45, 2: 4.58,
+                # 4 documents per program: 4.70)
+                cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=16)
             else:
                 cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
                 tokb, qpb = tokb2, qpb2
@@ -137,12 +140,15 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # 32x1024 0.0746 vs 0.0762, d=96 0.0817 vs 0.0896). Not below ~0.5M streamed tokens (1x1k 32x300:
             # 0.0501 vs 0.0457) and not for d > 256 (d=384: 0.49 vs 0.37)
             cfg["num_warps"] = 2
-        if int8_products and C >= 16 * _sm_count():
-            # 4 documents per program: the query tile loaded and quantised once for 4 (session 5: 1x10k 32x300
-            # 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394; with 2 warps, run 12: 0.128 and 0.355); not for bf16
-            # documents (0.190 vs 0.185, 0.610 vs 0.599). Measured at 10k documents only: with fewer than 16 per
-            # SM the grid keeps one document per program
-            cfg["DOCS"] = 4
+        if int8_products:
+            # several documents per program: the query tile loaded and quantised once for all of them (session 5,
+            # 4 per program: 1x10k 32x300 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394), as many as make 8 programs
+            # per SM, one equal share each (session 9, device call 1, 2 warps: 0.1123 and 0.3346 ms against 0.1277
+            # and 0.3531 with 4 per program; 16 per SM 0.1175 / 0.3393, 4 per SM 0.1311 / 0.3979). Not for bf16
+            # documents, whose rows were as fast or faster with one document per program (same call: 1x10k 32x300
+            # 0.1812 vs 0.1836 at best, 32x1030 0.5795 vs 0.5908; session 5 with 4 per program: 0.190 vs 0.185).
+            # Below 8 x SMs documents this leaves one document per program
+            cfg["PROGRAMS_PER_SM"] = 8
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -151,7 +157,7 @@ class _ForwardPlan:
     """Everything about one forward launch that depends only on shapes, strides, dtypes and flags."""
 
     __slots__ = ("grid", "scalars", "meta", "meta_key", "scores_shape", "aux_shape", "aux_dtype", "row_out",
-                 "n_splits")
+                 "n_splits", "docs")
 
 
 # (shapes, strides, dtypes, flags) -> _ForwardPlan. Building a plan costs ~30 us of Python; a scoring call in a
@@ -204,10 +210,16 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     else:
         tokens_per_ds = 2**31 - 1      # one slice: the whole document, whatever its length
     # several documents per program: padded in-batch documents, scoring only, one slice per document
-    docs = cfg["DOCS"] if not (candidates or offsets is not None or save_aux or n_ds > 1 or Ld == 0) else 1
+    docs = 1
+    if not (candidates or offsets is not None or save_aux or n_ds > 1 or Ld == 0):
+        docs = cfg["DOCS"]
+        if cfg["PROGRAMS_PER_SM"]:
+            # a grid of about PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents
+            docs = max(1, _cdiv(T * n_qblocks * n_splits, cfg["PROGRAMS_PER_SM"] * _sm_count()))
     plan = _ForwardPlan()
     plan.row_out = row_out = n_ds > 1
     plan.n_splits = n_splits
+    plan.docs = docs
     if row_out:
         # per-row states of each document-token slice, combined by _combine_token_slices
         plan.scores_shape = (n_ds, Nq, C, Lq)
@@ -229,7 +241,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     tau = float(smooth_tau) if smooth else 1.0
     plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
     plan.scalars = (
-        Nq, Lq, d, Ld, max(candidates, 1), T,
+        Nq, Lq, d, Ld, max(candidates, 1), T, docs,
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         queries.stride(0), queries.stride(1), queries.stride(2),
         sdt, sdl, sdd,
@@ -245,7 +257,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=interpreting() and queries.dtype == torch.bfloat16,
         PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
-        PEEL_TAIL=cfg["PEEL_TAIL"], DOCS=docs,
+        PEEL_TAIL=cfg["PEEL_TAIL"], MULTI_DOC=docs > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     plan.meta_key = tuple(plan.meta.items())
@@ -373,7 +385,8 @@ class _BackwardPlan:
     choices (cached per key like the forward's plan: building it is ~35 us of Python, several times a small
     step's launch cost). The tensors, and the strides of the outputs allocated per call, are added at launch."""
     __slots__ = ("n_cs", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid", "dd_scalars",
-                 "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e")
+                 "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e", "fused", "fused_grid", "fused_scalars",
+                 "fused_meta", "fused_meta_key")
 
 
 _BACKWARD_PLANS: dict = {}
@@ -407,6 +420,15 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     flags = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
+    dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")) if need_dd else None
+    # both gradients in one launch, the first programs dQ's and the rest dD's (one launch less per step: the small
+    # steps are host-bound): hard max, where both kernels' tiles agree (session 9, device call 1, interleaved with
+    # both peers: ColBERT B128 0.410 vs 0.556 ms as two launches; GPU time from a CUDA graph 0.302 vs 0.344)
+    fused = bool(need_dq and dd_method == "dense" and not smooth
+                 and BACKWARD_OVERRIDES.get("DD_BLOCK_N", block_n) == block_n
+                 and BACKWARD_OVERRIDES.get("DD_WARPS", 4) == BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
+                 and BACKWARD_OVERRIDES.get("FUSED", True))
+    plan.fused = fused
     plan.n_cs = 0
     if need_dq:
         n_splits = _cdiv(Lq, tokb)
@@ -419,18 +441,24 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         # run 18, interleaved with both peers twice: ColPali B64 8% and 9% faster unsplit, KD 6% faster and 1%
         # slower; B64 + 7 negatives, 512 columns, 41% and 65% slower unsplit)
         budget = 0 if C <= 64 else max(8 << 20, partial)
+        if fused:
+            # in the launch of the dD programs, dQ's run beside them: split only long column loops (session 9,
+            # device call 1, steps eager / GPU time: ColBERT B128 0.410 / 0.302 ms unsplit vs 0.500 / 0.309 split;
+            # ColPali B256 3.171 ms 71 MB vs 3.182 ms 83 MB; B64 + 7 negatives, 512 columns, 0.889 / 0.879 unsplit vs
+            # 0.623 / 0.609 split)
+            budget = 0 if C <= 256 else budget
         n_cs = _dq_column_splits(base_programs, C, partial, BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", budget))
         cols_per_split = _cdiv(C, n_cs)
         plan.n_cs = n_cs = _cdiv(C, cols_per_split)
         plan.dq_grid = (base_programs * n_cs,)
-        plan.dq_scalars = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split, *strides)
+        dq_sizes = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split)
+        plan.dq_scalars = (*dq_sizes, *strides)
         plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
                             num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
         plan.dq_meta_key = tuple(plan.dq_meta.items())
-    plan.dd_method = None
+    plan.dd_method = dd_method
     if need_dd:
-        plan.dd_method = "dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")
-        if plan.dd_method == "dense":
+        if dd_method == "dense":
             # smooth max recomputes every similarity tile: 128-token blocks on 8 warps halve the query-row
             # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps.
             # 1 stage (no software pipelining): session 8, run 16, dD alone, hard max B128 32x300 0.175 vs
@@ -452,8 +480,13 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1),
                                 G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
-        elif plan.dd_method != "sparse":
-            raise ValueError(f"BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense' or 'sparse', got {plan.dd_method!r}")
+        elif dd_method != "sparse":
+            raise ValueError(f"BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense' or 'sparse', got {dd_method!r}")
+    if fused:
+        plan.fused_grid = (plan.dq_grid[0] + plan.dd_grid[0],)
+        plan.fused_scalars = (*dq_sizes, n_nblocks, plan.dq_grid[0], *strides)
+        plan.fused_meta = dict(plan.dd_meta, num_stages=BACKWARD_OVERRIDES.get("FUSED_STAGES", 1))
+        plan.fused_meta_key = tuple(plan.fused_meta.items())
     return plan
 
 
@@ -461,9 +494,12 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
              smooth_tau, need_dq, need_dd, grad_dtype=None):
     """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
 
+    Launches: the hard max with both gradients, one (dQ's programs and dD's in the same grid); otherwise one per
+    gradient asked for.
+
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
-    otherwise be small); hard-max dD with DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry,
-    plus the sort's own buffers)."""
+    otherwise be small; beside dD in the single launch, freed before it otherwise); hard-max dD with
+    DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry, plus the sort's own buffers)."""
     device = queries.device
     grad = grad.float()
     key = (grad.shape, grad.stride(), queries.shape, queries.stride(), queries.dtype, documents.shape,
@@ -481,6 +517,23 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     dmask = documents_mask if documents_mask is not None else dummy
     offs = offsets if offsets is not None else dummy
     dq = dd = None
+
+    if plan.fused:
+        dq_dtype, dd_dtype = grad_dtype or queries.dtype, grad_dtype or documents.dtype
+        if plan.n_cs == 1:
+            dq = torch.empty(queries.shape, dtype=dq_dtype, device=device)
+            target = dq.unsqueeze(0)
+        else:
+            target = torch.empty((plan.n_cs, *queries.shape), dtype=torch.float32, device=device)
+        dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dd_dtype, device=device)
+        out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
+        _launcher.launch(maxsim_bwd_fused_kernel, plan.fused_grid,
+                         (grad, queries, documents, qmask, dmask, offs, aux, target, dd),
+                         (*plan.fused_scalars, *target.stride(), *out_strides, plan.inv_tau_log2e), plan.fused_meta,
+                         plan.fused_meta_key)
+        if plan.n_cs > 1:
+            dq = target.sum(0).to(dq_dtype)
+        return dq, dd
 
     if need_dq:
         out_dtype = grad_dtype or queries.dtype

@@ -1,0 +1,32 @@
+"""One forward case, launched a few times, for Nsight Compute (``ncu``) on the device:
+
+    ncu --clock-control none --kernel-name maxsim_fwd_kernel --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        python3 benchmarks/ncu_case.py int8-1024
+
+Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300).
+"""
+
+import sys
+
+import torch
+
+import flash_maxsim as fm
+
+CASES = {"int8-1024": (1, 10000, 1024, 1024, True), "int8-300": (1, 10000, 32, 300, True),
+         "bf16-64q": (64, 1000, 32, 300, False)}
+
+
+def main(name: str) -> None:
+    Nq, B, Lq, Ld, quantized = CASES[name]
+    q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16)
+    docs = torch.randn(B, Ld, 128, device="cuda", dtype=torch.bfloat16)
+    index = fm.quantize(docs) if quantized else docs
+    for _ in range(4):
+        fm.maxsim(q, index)
+    torch.cuda.synchronize()
+    print(f"{name}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "int8-1024")
