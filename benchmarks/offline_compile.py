@@ -96,6 +96,8 @@ CASES = [
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
     Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
+    Case("bf16 smooth 4x8 32x4096 masks (token split)", lambda: (_q(4, 32, 128), _docs(8, 4096, 128), _mask(4, 32),
+                                                                  _mask(8, 4096)), smooth_tau=0.1),
     Case("bf16 d=384 1x1k 32x180", lambda: (_q(1, 32, 384), _docs(1000, 180, 384), None, None)),
     Case("bf16 d=96 masks zero", lambda: (_q(2, 31, 96), _docs(50, 257, 96), _mask(2, 31), _mask(50, 257)),
          masked="zero"),

@@ -49,6 +49,8 @@ def main():
         few = torch.randn(2, 2, 4000, 128, device=dev, dtype=bf)
         q2 = torch.randn(2, 32, 128, device=dev, dtype=bf)
         check("document-token split", fm.maxsim(q2, few[0]), reference.maxsim(q2, few[0]), 1e-5)
+        check("document-token split smooth", fm.maxsim(q2, few[0], smooth_tau=0.1),
+              reference.maxsim(q2, few[0], smooth_tau=0.1), 1e-5)
         qd = fm.quantize(d.detach(), dm)
         # int8 x int8 products, the query quantised in the kernel (the default at d <= 256), then the conversion path
         from flash_maxsim.kernels import launch

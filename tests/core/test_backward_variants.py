@@ -89,6 +89,22 @@ def test_document_token_split_forward(overrides, smooth_tau):
     _assert_forward_matches_reference(*_masked_padded_problem(2, 5, 3, 200, 16, 0.7, 0.5, seed=12), smooth_tau)
 
 
+@pytest.mark.parametrize("smooth_tau", [None, 0.3])
+def test_document_token_split_propagates_nan(overrides, smooth_tau):
+    """A NaN document token in one of three token slices: the combined score of its document is NaN, as the
+    reference's is, and the other documents' scores are untouched."""
+    overrides.FORWARD_OVERRIDES["DSPLIT"] = 3
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(18)
+    q, docs = torch.randn(2, 5, 16, generator=g).to(dev), torch.randn(3, 200, 16, generator=g).to(dev)
+    docs[1, 150, 3] = float("nan")
+    with force_backend("triton"), torch.no_grad():
+        got = fm.maxsim(q, docs, smooth_tau=smooth_tau)
+    want = reference.maxsim(q.double(), docs.double(), smooth_tau=smooth_tau)
+    assert got[:, 1].isnan().all() and not got[:, [0, 2]].isnan().any()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-with-dd"])
 def test_query_gradient_column_split(overrides, fused):
     # 300 columns against a single query block: the dQ grid is split over columns (partial sums; not at <= 64

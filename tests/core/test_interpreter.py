@@ -81,7 +81,9 @@ def test_nan_policy():
     d[0, 1, 2] = float("nan")
     mask = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
     with force_backend("triton"):
-        assert flash_maxsim.maxsim(q, d)[0, 0].isnan()
+        for tau in (None, 0.5):
+            out = flash_maxsim.maxsim(q, d, smooth_tau=tau)
+            assert out[0, 0].isnan() and out[0, 1].isfinite(), (tau, out)
         mask[0, 1] = False
         for tau in (None, 0.5):
             out = flash_maxsim.maxsim(q, d, None, mask, smooth_tau=tau)

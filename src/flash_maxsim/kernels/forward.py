@@ -119,7 +119,8 @@ def _row_values(m, acc, q_scale, tau, QUANTIZE_Q: tl.constexpr, SMOOTH: tl.const
     if QUANTIZE_Q and not SMOOTH:
         m = tl.where(m == float("-inf"), m, m * q_scale)
     if SMOOTH:
-        has_any = acc > 0.0
+        # a NaN similarity makes the running sum NaN: the row's value is NaN (acc > 0 alone would make it 0)
+        has_any = (acc > 0.0) | (acc != acc)
         row_val = tl.where(has_any, tl.where(m == float("-inf"), 0.0, m) + tau * tl.log(acc), 0.0)
     else:
         has_any = m != float("-inf")
@@ -284,3 +285,41 @@ def maxsim_fwd_kernel(
             if SAVE_AUX:
                 tl.store(AUX + qidx * stride_an + col * stride_ac + tok * stride_al, aux,
                          mask=(qidx < Nq) & (tok < Lq))
+
+
+@triton.jit
+def maxsim_combine_slices_kernel(
+    ROW_MAX, ROW_SUM, OUT,
+    n_ds, Nq, C, Lq, n_cblocks,
+    tau, inv_tau_log2e,
+    SMOOTH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Scores from the per-row states of a document split over ``n_ds`` token slices (``maxsim_fwd_kernel`` with
+    ``ROW_OUT``): ``ROW_MAX`` (and ``ROW_SUM``, smooth) contiguous ``[n_ds, Nq, C, Lq]`` -> ``OUT`` ``[Nq, C]``.
+    Per row: the max over slices (smooth: the log-sum-exp of the slices' partial sums), 0 where no token was
+    valid; summed over the query's rows in a fixed order. Masked query rows hold -inf (and 0) already."""
+    pid = tl.program_id(0).to(tl.int64)
+    q = pid // n_cblocks
+    cols = (pid % n_cblocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    slice_stride = Nq * C * Lq       # 32-bit is enough: documents are split only below 2 programs per SM (< 2^17 rows)
+    score = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for l0 in range(0, Lq, BLOCK_L):
+        toks = l0 + tl.arange(0, BLOCK_L)
+        ok = col_ok[:, None] & (toks < Lq)[None, :]
+        offs = q * C * Lq + cols[:, None] * Lq + toks[None, :]
+        m = tl.full((BLOCK_C, BLOCK_L), float("-inf"), dtype=tl.float32)
+        for s in range(n_ds):
+            m = _max_propagating_nan(m, tl.load(ROW_MAX + s * slice_stride + offs, mask=ok, other=float("-inf")))
+        if SMOOTH:
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros((BLOCK_C, BLOCK_L), dtype=tl.float32)
+            for s in range(n_ds):
+                rm = tl.load(ROW_MAX + s * slice_stride + offs, mask=ok, other=float("-inf"))
+                rs = tl.load(ROW_SUM + s * slice_stride + offs, mask=ok, other=0.0)
+                total += rs * tl.exp2((rm - m_safe) * inv_tau_log2e)
+            val = tl.where((total > 0.0) | (total != total), m_safe + tau * tl.log(total), 0.0)
+        else:
+            val = tl.where(m == float("-inf"), 0.0, m)
+        score += tl.sum(tl.where(ok, val, 0.0), 1)
+    tl.store(OUT + q * C + cols, score, mask=col_ok)

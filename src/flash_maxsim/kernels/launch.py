@@ -20,7 +20,7 @@ from . import _launcher
 from .._layout import aux_dtype
 from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel,
                        maxsim_bwd_fused_kernel)
-from .forward import maxsim_fwd_kernel
+from .forward import maxsim_combine_slices_kernel, maxsim_fwd_kernel
 
 
 def interpreting() -> bool:
@@ -306,23 +306,24 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                document_scales if document_scales is not None else dummy)
     _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key)
     if plan.row_out:
-        return _combine_token_slices(scores, aux, queries_mask, smooth_tau), None
+        return _combine_token_slices(scores, aux, smooth_tau), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
 
 
-def _combine_token_slices(row_max, row_sum, queries_mask, smooth_tau):
-    """Per-row states of the document-token slices [n_ds, Nq, C, Lq] -> scores [Nq, C] (fixed order)."""
-    m = row_max.amax(0)
-    if smooth_tau is None:
-        val = m
-    else:
-        m_safe = torch.where(m == float("-inf"), 0.0, m)
-        total = (row_sum * torch.exp((row_max - m_safe) / smooth_tau)).sum(0)
-        val = torch.where(total > 0, m_safe + smooth_tau * torch.log(total), float("-inf"))
-    val = torch.where(val == float("-inf"), 0.0, val)
-    if queries_mask is not None:
-        val = val * queries_mask.bool()[:, None, :]
-    return val.sum(-1)
+def _combine_token_slices(row_max, row_sum, smooth_tau):
+    """Per-row states of the document-token slices [n_ds, Nq, C, Lq] -> scores [Nq, C], in one launch (fixed
+    order). Masked query rows hold -inf (and a sum of 0): the forward kernel writes them so."""
+    n_ds, Nq, C, Lq = row_max.shape
+    out = torch.empty((Nq, C), dtype=torch.float32, device=row_max.device)
+    block_l = min(_pow2(Lq), 128)
+    block_c = max(16, min(_pow2(C), 2048 // block_l))
+    n_cblocks = _cdiv(C, block_c)
+    tau = float(smooth_tau) if smooth_tau is not None else 1.0
+    _launcher.launch(maxsim_combine_slices_kernel, (Nq * n_cblocks,),
+                     (row_max, row_sum if row_sum is not None else row_max, out),
+                     (n_ds, Nq, C, Lq, n_cblocks, tau, math.log2(math.e) / tau),
+                     dict(SMOOTH=smooth_tau is not None, BLOCK_C=block_c, BLOCK_L=block_l, num_warps=4))
+    return out
 
 
 def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: int) -> int:
