@@ -407,13 +407,16 @@ def fp32_table(dev):
 # 32-token tiles, no peeled tail: all within 0.85-1.1x of the default; session 5's: 4 documents per program, the
 # scales loaded one tile ahead (docs/perf-notes.md, session 5)
 _CONVERT = {"INT8_PRODUCTS": False}
+# a fixed number of documents per program: PROGRAMS_PER_SM (the int8 default since session 9) off
+_FIXED = {"PROGRAMS_PER_SM": 0}
 INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
               # int8 x int8 tensor-core products (the default), the query quantised per token in the kernel
-              {"DOCS": 1}, {"DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64}, {"num_stages": 4},
+              {**_FIXED, "DOCS": 1}, {**_FIXED, "DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64},
+              {"num_stages": 4},
               # session 7: 2 warps (the bf16 bandwidth rows' gain); several documents per program on the
               # compute-bound row too (run 11: 1024x1024 DOCS=2 5.26 vs 5.88 ms)
-              {"num_warps": 2}, {"num_warps": 2, "DOCS": 1}, {"num_warps": 2, "DOCS": 2}, {"DOCS": 4},
-              {"DOCS": 2, "num_stages": 4}, {"DOCS": 2, "num_warps": 8}]
+              {"num_warps": 2}, {**_FIXED, "num_warps": 2, "DOCS": 1}, {**_FIXED, "num_warps": 2, "DOCS": 2},
+              {**_FIXED, "DOCS": 4}, {**_FIXED, "DOCS": 2, "num_stages": 4}, {**_FIXED, "DOCS": 2, "num_warps": 8}]
 
 def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "MULTI_DOC")):
     """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which

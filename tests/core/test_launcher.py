@@ -216,10 +216,11 @@ def test_fp32_cuda_core_scoring_runs_on_four_warps(highest_fp32_precision):
 def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
     """Scoring returns no aux (an allocation is ~3 us of host time, a tenth of a small call's) and hands the
     kernel a stand-in pointer; training gets aux [Nq, C, Lq]; a smooth max split over document tokens keeps its
-    per-slice sums in one."""
+    per-slice sums in one, which one combine launch reads."""
     from flash_maxsim.kernels import launch
-    launched = []
-    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, *rest: launched.append(tensors))
+    launched, kernels = [], []
+    monkeypatch.setattr(launch._launcher, "launch",
+                        lambda kernel, grid, tensors, *rest: launched.append(tensors) or kernels.append(kernel))
     queries, documents = torch.randn(2, 8, 32), torch.randn(5, 40, 32)
     scores, aux = launch.forward(queries, documents, None, None, None, 0, False, smooth_tau, False)
     assert scores.shape == (2, 5) and aux is None
@@ -231,7 +232,9 @@ def test_scoring_launch_allocates_no_auxiliary_tensor(monkeypatch, smooth_tau):
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     long_documents = torch.randn(5, 200, 32)
     launch.forward(queries, long_documents, None, None, None, 0, False, smooth_tau, False, 200)
-    row_states, row_sums = launched[-1][5], launched[-1][6]
+    assert kernels[-2:] == [launch.maxsim_fwd_kernel, launch.maxsim_combine_slices_kernel]
+    row_states, row_sums = launched[-2][5], launched[-2][6]
+    assert launched[-1][0] is row_states and (launched[-1][1] is (row_states if smooth_tau is None else row_sums))
     assert row_states.shape == (2, 2, 5, 8)                 # two token slices: per-row states
     assert (row_sums is queries) == (smooth_tau is None)
     if smooth_tau is not None:
