@@ -359,8 +359,8 @@ def train_ab(dev, rounds=7):
                 launch.BACKWARD_OVERRIDES.update(overrides or {})
                 times[label].append(bench(fn))
         launch.BACKWARD_OVERRIDES.clear()
-        # our default step and the peers' captured in a CUDA graph and replayed: the GPU's time without the host's
-        # launches
+        # every step (ours under each variant, the peers') captured in a CUDA graph and replayed: the GPU's time
+        # without the host's launches
         graphed = {}
         for label, (overrides, fn) in steps.items():
             launch.BACKWARD_OVERRIDES.clear()

@@ -422,12 +422,16 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
     dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")) if need_dd else None
+    dq_warps = BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
+    # dense dD: smooth max recomputes every similarity tile, so 128-token blocks on 8 warps halve the query-row
+    # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps
+    wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
+    dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
+    dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
     # both gradients in one launch, the first programs dQ's and the rest dD's (one launch less per step: the small
     # steps are host-bound): hard max, where both kernels' tiles agree (session 9, device call 1, interleaved with
     # both peers: ColBERT B128 0.410 vs 0.556 ms as two launches; GPU time from a CUDA graph 0.302 vs 0.344)
-    fused = bool(need_dq and dd_method == "dense" and not smooth
-                 and BACKWARD_OVERRIDES.get("DD_BLOCK_N", block_n) == block_n
-                 and BACKWARD_OVERRIDES.get("DD_WARPS", 4) == BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
+    fused = bool(need_dq and dd_method == "dense" and not smooth and dd_block_n == block_n and dd_warps == dq_warps
                  and BACKWARD_OVERRIDES.get("FUSED", True))
     plan.fused = fused
     plan.n_cs = 0
@@ -454,20 +458,15 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dq_grid = (base_programs * n_cs,)
         dq_sizes = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split)
         plan.dq_scalars = (*dq_sizes, *strides)
-        plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=BACKWARD_OVERRIDES.get("DQ_WARPS", 4),
+        plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=dq_warps,
                             num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = dd_method
     if need_dd:
         if dd_method == "dense":
-            # smooth max recomputes every similarity tile: 128-token blocks on 8 warps halve the query-row
-            # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps.
             # 1 stage (no software pipelining): session 8, run 16, dD alone, hard max B128 32x300 0.175 vs
             # 0.211 ms, B64 + 7 negatives 0.292 vs 0.342, ColPali B64 0.142 vs 0.170, B256 1.82 vs 2.23, KD 0.104 vs
             # 0.114; smooth ColPali B128 0.969 vs 1.047
-            wide = smooth and d <= 256 and not _on_cuda_cores(queries.dtype)
-            dd_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", 128 if wide else block_n)
-            dd_warps = BACKWARD_OVERRIDES.get("DD_WARPS", 8 if wide else 4)
             # padded documents: blocks over all Ld rows, so that every row of dD is written (it is allocated empty)
             n_nblocks = _cdiv(Ld if offsets is None else max_len, dd_block_n)
             plan.dd_grid = (T * n_nblocks * d_chunks,)
@@ -489,6 +488,29 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.fused_meta = dict(plan.dd_meta, num_stages=BACKWARD_OVERRIDES.get("FUSED_STAGES", 1))
         plan.fused_meta_key = tuple(plan.fused_meta.items())
     return plan
+
+
+def _dq_outputs(n_cs, queries, dtype):
+    """(dQ, what the dQ programs write): with one column split they write dQ itself (through a [1, Nq, Lq, d]
+    view); with more, the splits' fp32 partial sums [n_cs, Nq, Lq, d], and dQ is None until ``_summed_dq``."""
+    if n_cs == 1:
+        dq = torch.empty(queries.shape, dtype=dtype, device=queries.device)
+        return dq, dq.unsqueeze(0)
+    return None, torch.empty((n_cs, *queries.shape), dtype=torch.float32, device=queries.device)
+
+
+def _summed_dq(dq, target, dtype):
+    """dQ written in place, or the column splits' partial sums added in a fixed order."""
+    return dq if dq is not None else target.sum(0).to(dtype)
+
+
+def _dense_dd_output(documents, offsets, dtype):
+    """dD for the dense kernel, and the output strides it takes ([T, Ld, d] padded; packed rows with a zero
+    document stride). The kernel writes every row of every padded document (zeros where nothing flows); packed
+    values may hold rows past offsets[-1] when the caller supplied max_length (offsets then go unchecked), so
+    those are zero-filled."""
+    dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dtype, device=documents.device)
+    return dd, (dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1)))
 
 
 def backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
@@ -518,52 +540,34 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
     dmask = documents_mask if documents_mask is not None else dummy
     offs = offsets if offsets is not None else dummy
     dq = dd = None
+    dq_dtype, dd_dtype = grad_dtype or queries.dtype, grad_dtype or documents.dtype
 
     if plan.fused:
-        dq_dtype, dd_dtype = grad_dtype or queries.dtype, grad_dtype or documents.dtype
-        if plan.n_cs == 1:
-            dq = torch.empty(queries.shape, dtype=dq_dtype, device=device)
-            target = dq.unsqueeze(0)
-        else:
-            target = torch.empty((plan.n_cs, *queries.shape), dtype=torch.float32, device=device)
-        dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dd_dtype, device=device)
-        out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
+        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype)
+        dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
         _launcher.launch(maxsim_bwd_fused_kernel, plan.fused_grid,
                          (grad, queries, documents, qmask, dmask, offs, aux, target, dd),
                          (*plan.fused_scalars, *target.stride(), *out_strides, plan.inv_tau_log2e), plan.fused_meta,
                          plan.fused_meta_key)
-        if plan.n_cs > 1:
-            dq = target.sum(0).to(dq_dtype)
-        return dq, dd
+        return _summed_dq(dq, target, dq_dtype), dd
 
     if need_dq:
-        out_dtype = grad_dtype or queries.dtype
-        if plan.n_cs == 1:
-            dq = torch.empty(queries.shape, dtype=out_dtype, device=device)
-            target = dq.unsqueeze(0)
-        else:
-            target = torch.empty((plan.n_cs, *queries.shape), dtype=torch.float32, device=device)
+        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype)
         _launcher.launch(maxsim_bwd_dq_kernel, plan.dq_grid,
                          (grad, queries, documents, qmask, dmask, offs, aux, target),
                          (*plan.dq_scalars, *target.stride(), plan.inv_tau_log2e), plan.dq_meta, plan.dq_meta_key)
-        if plan.n_cs > 1:
-            dq = target.sum(0).to(out_dtype)
+        dq = _summed_dq(dq, target, dq_dtype)
         del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
 
     if need_dd:
-        out_dtype = grad_dtype or documents.dtype
         if plan.dd_method == "dense":
-            # the kernel writes every row of every padded document (zeros where nothing flows; an empty grid means
-            # no rows); packed values may hold rows past offsets[-1] when the caller supplied max_length (offsets
-            # then go unchecked)
-            dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=out_dtype, device=device)
+            dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
             if plan.dd_grid[0] > 0:
-                out_strides = dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1))
                 _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, dd),
                                  (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
         else:
-            dd = torch.zeros(documents.shape, dtype=out_dtype, device=device)
+            dd = torch.zeros(documents.shape, dtype=dd_dtype, device=device)
             if aux.numel() == 0:
                 return dq, dd
             d = queries.shape[2]
