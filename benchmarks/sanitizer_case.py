@@ -51,9 +51,25 @@ def main():
         check("document-token split", fm.maxsim(q2, few[0]), reference.maxsim(q2, few[0]), 1e-5)
         check("document-token split smooth", fm.maxsim(q2, few[0], smooth_tau=0.1),
               reference.maxsim(q2, few[0], smooth_tau=0.1), 1e-5)
+        # runs of several documents per program (the default for 16-bit documents of whole tiles or chunked
+        # features): whole 64-token tiles with a mask, smooth; d = 384 (3 feature chunks) whose 128-token tiles
+        # straddle 180-token documents
+        from flash_maxsim.kernels import launch
+        runs = torch.randn(11, 256, 128, device=dev, dtype=bf)
+        runs_mask = torch.rand(11, 256, device=dev) > 0.3
+        wide_q, wide = torch.randn(1, 32, 384, device=dev, dtype=bf), torch.randn(11, 180, 384, device=dev, dtype=bf)
+        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0)
+        try:
+            got_runs = fm.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1)
+            got_wide = fm.maxsim(wide_q, wide)
+        finally:
+            launch.FORWARD_OVERRIDES.pop("DOCS")
+            launch.FORWARD_OVERRIDES.pop("PROGRAMS_PER_SM")
+        check("runs of documents, whole tiles, smooth", got_runs,
+              reference.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1), 1e-5)
+        check("runs of documents, d=384 straddling", got_wide, reference.maxsim(wide_q, wide), 1e-5)
         qd = fm.quantize(d.detach(), dm)
         # int8 x int8 products, the query quantised in the kernel (the default at d <= 256), then the conversion path
-        from flash_maxsim.kernels import launch
         from flash_maxsim.quantization import queries_as_scored
         check("int8 x int8", fm.maxsim(q.detach(), qd, qm),
               reference.maxsim(queries_as_scored(q.detach(), qd).double(), qd.dequantize(torch.float64), qm, dm), 1e-5)
@@ -70,14 +86,21 @@ def main():
         index = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf))
         narrow = fm.quantize(torch.randn(11, 70, 16, device=dev, dtype=bf))
         long_q16 = torch.randn(2, 300, 16, device=dev, dtype=bf)
+        # whole 64-token tiles with a mask: the loop over one contiguous run of tokens (FLAT_RUN)
+        whole_mask = torch.rand(11, 256, device=dev) > 0.3
+        whole = fm.quantize(torch.randn(11, 256, 128, device=dev, dtype=bf), whole_mask)
         launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0)
         try:
             grouped, grouped_split = fm.maxsim(q2[:1], index), fm.maxsim(long_q16, narrow)
+            grouped_whole = fm.maxsim(q2[:1], whole)
         finally:
             launch.FORWARD_OVERRIDES.pop("DOCS")
             launch.FORWARD_OVERRIDES.pop("PROGRAMS_PER_SM")
         check("int8 grouped", grouped,
               reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
+        check("int8 grouped, whole tiles", grouped_whole,
+              reference.maxsim(queries_as_scored(q2[:1], whole).double(), whole.dequantize(torch.float64), None,
+                               whole_mask), 1e-5)
         check("int8 grouped, query split", grouped_split,
               reference.maxsim(queries_as_scored(long_q16, narrow).double(), narrow.dequantize(torch.float64)), 1e-5)
     torch.cuda.synchronize()

@@ -185,19 +185,38 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
 
 @pytest.mark.parametrize("smooth_tau", [None, 0.3])
 @pytest.mark.parametrize("grouping, docs, groups", [({"DOCS": 3}, 3, 3), ({"PROGRAMS_PER_SM": 2}, 6, 2)])
-def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, groups, monkeypatch):
+@pytest.mark.parametrize("Ld", [50, 48, 9])
+def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, groups, Ld, monkeypatch):
     """Several documents per program stream all their tiles in one loop and write each score at its document's
     last tile: 7 documents over programs of 3 (the last program has one), or sized by PROGRAMS_PER_SM (2 per SM
     of 4 SMs: 8 program slots for 7 documents x 3 queries x 2 row tiles, so 6 documents per program, the last
-    has one); 50 tokens in 16-token tiles (a partial last tile), an all-masked document, a second query block and
-    a query longer than one row tile."""
+    has one); in 16-token tiles, 50 tokens (tiles that straddle two documents) or 48 (whole tiles), streamed as
+    one run of tokens (FLAT_RUN), or 9 tokens (shorter than a tile: a loop that finds each tile's document), an
+    all-masked document, a second query block and a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_sm_count", lambda: 4)
     overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, **grouping)
-    _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, 50, 16, 0.8, 0.6, seed=16), smooth_tau)
+    _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, Ld, 16, 0.8, 0.6, seed=16), smooth_tau)
     plans = list(launch._FORWARD_PLANS.values())
     # groups of documents x 3 queries x 2 row tiles
     assert plans and all(p.docs == docs and p.grid == (groups * 3 * 2,) for p in plans)
+    assert all(p.meta["FLAT_RUN"] == (Ld >= 16) for p in plans)
+
+
+def test_flat_run_only_for_contiguous_documents(overrides, monkeypatch):
+    """Documents that do not lie end to end (a transposed [Ld, B, d] tensor, a mask with a gap between
+    documents): the loop that finds each tile's document, with the same scores."""
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, DOCS=3, PROGRAMS_PER_SM=0)
+    q, docs, qmask, dmask = _masked_padded_problem(3, 20, 7, 48, 16, 0.8, 0.6, seed=18)
+    transposed = docs.transpose(0, 1).contiguous().transpose(0, 1)
+    gapped = torch.zeros(7, 64, dtype=dmask.dtype, device=dmask.device)[:, :48]
+    gapped.copy_(dmask)
+    for d_, m_ in ((transposed, dmask), (docs, gapped)):
+        launch._FORWARD_PLANS.clear()
+        _assert_forward_matches_reference(q, d_, qmask, m_, None)
+        plans = list(launch._FORWARD_PLANS.values())
+        assert plans and all(p.docs == 3 and not p.meta["FLAT_RUN"] for p in plans)
 
 
 def test_several_documents_per_program_only_for_padded_scoring(overrides, monkeypatch):

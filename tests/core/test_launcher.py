@@ -157,8 +157,9 @@ def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch)
 
 def test_several_documents_per_program_for_int8_products(monkeypatch):
     """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 16 (compute-bound: long
-    queries over many documents), each program scoring an equal share of the documents; bf16 documents keep one
-    per program, and so do int8 ones too few to share."""
+    queries over many documents), each program scoring an equal share of the documents; 16-bit documents 2 per
+    SM where they are whole tiles (or their features are chunked), else one per program, and so do int8 ones too
+    few to share."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
     def programs_per_sm(*args):
@@ -166,7 +167,12 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True) == 8
     assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, False) == 0
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, True) == 16
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, False) == 0
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, False) == 2
+    assert programs_per_sm(1, 1000, 32, 1024, 128, False, False, torch.float16, False) == 2
+    assert programs_per_sm(1, 10000, 32, 180, 384, False, False, torch.bfloat16, False) == 2   # 3 feature chunks
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, True, torch.bfloat16, False) == 0  # training
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.float32, False) == 0
+    assert programs_per_sm(1, 5000, 31, 257, 96, False, False, torch.bfloat16, False) == 0
     assert programs_per_sm(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True) == 0
 
     def plan(B, Lq, Ld):
@@ -179,6 +185,25 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert p.docs == 38 and p.grid == (264 * 8,) and p.meta["MULTI_DOC"]
     p = plan(500, 32, 300)
     assert p.docs == 1 and p.grid == (500,) and not p.meta["MULTI_DOC"]
+
+
+def test_runs_of_documents_that_straddle_tiles_not_with_256_rows(monkeypatch):
+    """Several documents per program stream as one run of tokens (FLAT_RUN); where tiles would straddle two
+    documents, not with 256-row tiles (Triton 3.6 fails to compile that loop, run 22): the per-document loop."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"DOCS": 4, "PROGRAMS_PER_SM": 0})
+
+    def meta(Nq, Lq, Ld):
+        p = launch._forward_plan(torch.empty(Nq, Lq, 128, dtype=torch.bfloat16),
+                                 torch.empty(1000, Ld, 128, dtype=torch.bfloat16), None, None, None, 0, False, None,
+                                 False, Ld, None)
+        return p.meta
+    m = meta(64, 32, 300)                    # 8 queries x 32 tokens: 256 rows
+    assert m["TOKB"] * m["QPB"] == 256 and m["MULTI_DOC"] and not m["FLAT_RUN"]
+    m = meta(64, 32, 1024)                   # whole tiles
+    assert m["TOKB"] * m["QPB"] == 256 and m["FLAT_RUN"] and not m["STRADDLE"]
+    m = meta(1, 32, 300)
+    assert m["FLAT_RUN"] and m["STRADDLE"]
 
 
 def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):

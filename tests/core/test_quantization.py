@@ -69,7 +69,7 @@ def test_other_layouts_and_smooth(backend, layout):
     ("padded", 40, None, "exclude"), ("padded", 40, None, "zero"), ("padded", 96, 0.2, "zero"),
     ("padded", 256, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
     ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero"), ("grouped", 40, None, "zero"),
-    ("grouped", 64, 0.2, "exclude")])
+    ("grouped", 64, 0.2, "exclude"), ("grouped-whole", 64, None, "zero"), ("grouped-whole", 32, 0.2, "exclude")])
 def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch, seed):
     """int8 x int8 tensor-core products (kernels.launch.int8_products): the kernel quantises each query token
     exactly as quantization.quantize_tokens quantises a document token (ties included), the integer sums are
@@ -98,7 +98,9 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         dm = [torch.rand(n, generator=g) > 0.3 for n in (9, 0, 1, 70)]
         dm[2][:] = False
     else:
-        n_docs, length = {"padded": (4, 9), "sliced": (2, 200), "grouped": (5, 70)}[layout]
+        # grouped: 70-token documents in 64-token tiles (tiles straddle documents), grouped-whole: 128 (2 tiles
+        # each), both streamed as one run of tokens (FLAT_RUN)
+        n_docs, length = {"padded": (4, 9), "sliced": (2, 200), "grouped": (5, 70), "grouped-whole": (5, 128)}[layout]
         docs = torch.randn(n_docs, length, d, generator=g)
         dm = torch.rand(n_docs, length, generator=g) > 0.3
         dm[1] = False
@@ -111,14 +113,15 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         # what long documents with few programs get: each document's tokens split over programs (here 2 slices
         # of 128 tokens), the per-row states combined afterwards
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
-    if layout == "grouped":
+    if layout.startswith("grouped"):
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
     assert plan.meta["QUANTIZE_Q"] and plan.row_out == (layout == "sliced")
-    assert plan.docs == (3 if layout == "grouped" else 1)
+    assert plan.docs == (3 if layout.startswith("grouped") else 1)
+    assert plan.meta["FLAT_RUN"] == layout.startswith("grouped")
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
     assert values[0, 1, :3].tolist() == [127, 0, 2]

@@ -103,7 +103,7 @@ def _dq_program(
                 in_range = n < dlen
                 d_row_off = d_base + n * stride_dl
                 s = _similarity_tile(q_tile, Q, q_row_off, q_live, D, d_row_off, in_range, d_cols0,
-                                     stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False)
+                                     stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False, True, False)
                 if HAS_DMASK:
                     dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
                     valid = in_range & (dm != 0)
@@ -252,7 +252,8 @@ def _dd_dense_program(
                     lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
                     # S^T tile [BLOCK_N, BLOCK_M]
                     st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
-                                          stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False)
+                                          stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False, True,
+                                          False)
                     pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
                     pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
                 else:

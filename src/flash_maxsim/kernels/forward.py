@@ -1,7 +1,8 @@
 """Fused MaxSim forward kernel.
 
 One program scores a tile of query-token rows against one document (or ``docs_per_program`` padded documents,
-one after the other, when ``MULTI_DOC``: bandwidth-bound scoring). The rows are ``QPB`` queries times
+one after the other, when ``MULTI_DOC``; with ``FLAT_RUN`` they lie end to end in memory and stream as one run of
+tokens whose tiles may straddle two documents). The rows are ``QPB`` queries times
 ``TOKB`` tokens (``TOKB`` a power of two >= Lq, or a slice of a long query, see ``split``). The program streams
 the document ``BLOCK_N`` tokens at a time, computes the similarity tile ``S = Q_rows @ D_tile^T`` in registers
 (tensor cores through ``tl.dot``), applies the masks and folds the tile into a running max (hard) or a running
@@ -31,14 +32,21 @@ def _similarity_tile(
     q_tile, Q, q_row_off, row_ok, D, d_row_off, col_ok, d_cols0,
     stride_qd, stride_dd, d,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    INT_DOT: tl.constexpr,
+    INT_DOT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
 ):
     """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only: int8 x int8 products summed
     exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
-    one d-chunk the query tile is already loaded."""
+    one d-chunk the query tile is already loaded. ``col_ok`` is read only when ``PARTIAL`` (a whole tile's tokens
+    all exist) or ``WHOLE_TILE_MASKS`` (masked loads anyway: faster for some tiles); ``EVEN_D``: d == BLOCK_D, no
+    feature mask (one d-chunk only)."""
     if D_CHUNKS == 1:
-        dmask = col_ok[:, None] & (d_cols0[None, :] < d)
-        d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, mask=dmask, other=0.0)
+        d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
+        if PARTIAL or WHOLE_TILE_MASKS:
+            d_tile = tl.load(d_ptrs, mask=col_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
+        elif EVEN_D:
+            d_tile = tl.load(d_ptrs)
+        else:
+            d_tile = tl.load(d_ptrs, mask=(d_cols0 < d)[None, :], other=0.0)
         # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents)
         d_tile = d_tile.to(q_tile.dtype)
         if INT_DOT:
@@ -49,10 +57,13 @@ def _similarity_tile(
         s = tl.zeros((q_row_off.shape[0], d_row_off.shape[0]), dtype=tl.float32)
         for kc in range(D_CHUNKS):
             cols = kc * BLOCK_D + d_cols0
-            qk = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
-                         mask=row_ok[:, None] & (cols[None, :] < d), other=0.0)
-            dk = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
-                         mask=col_ok[:, None] & (cols[None, :] < d), other=0.0)
+            q_ptrs = Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd
+            d_ptrs = D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd
+            qk = tl.load(q_ptrs, mask=row_ok[:, None] & (cols[None, :] < d), other=0.0)
+            if PARTIAL or WHOLE_TILE_MASKS:
+                dk = tl.load(d_ptrs, mask=col_ok[:, None] & (cols[None, :] < d), other=0.0)
+            else:
+                dk = tl.load(d_ptrs, mask=(cols < d)[None, :], other=0.0)
             if UPCAST:
                 qk = qk.to(tl.float32)
             dk = dk.to(qk.dtype)
@@ -61,37 +72,56 @@ def _similarity_tile(
 
 
 @triton.jit
-def _fold_tile(
-    m, acc, arg, n0, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
-    stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+def _tile_similarities(
+    n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
+    stride_qd, stride_dl, stride_dd, stride_dml, d,
     PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
-    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
 ):
-    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running max / log-sum-exp state of every row.
-    ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
-    per-element test."""
+    """The similarities of every row with the document tokens ``n`` (scaled, masked: -inf where a token does not
+    count). ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
+    per-element test, in the loads too."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
-                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q)
+                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
+                         WHOLE_TILE_MASKS)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
-        sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+        if PARTIAL:
+            sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+        else:
+            sc = tl.load(SCALES + m_base + n * stride_dml)
         s = s * sc[None, :]
     if QUANTIZE_Q and SMOOTH:
         # quantized queries: the hard max applies the (non-negative) row scale once at the end; the smooth max
         # needs the true similarities in its exponentials
         s = s * q_scale[:, None]
     if HAS_DMASK:
-        dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
-        valid = in_range & (dm != 0)
-        if ZERO_MASKED:
-            # masked tokens inside the document count as similarity 0; tokens past its end do not exist
-            s = tl.where(valid[None, :], s, tl.where(in_range[None, :], 0.0, float("-inf")))
+        if PARTIAL:
+            dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
+            valid = in_range & (dm != 0)
+            if ZERO_MASKED:
+                # masked tokens inside the document count as similarity 0; tokens past its end do not exist
+                s = tl.where(valid[None, :], s, tl.where(in_range[None, :], 0.0, float("-inf")))
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
         else:
-            s = tl.where(valid[None, :], s, float("-inf"))
+            valid = tl.load(DMASK + m_base + n * stride_dml) != 0
+            if ZERO_MASKED:
+                s = tl.where(valid[None, :], s, 0.0)
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
     elif PARTIAL:
         s = tl.where(in_range[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Folds a tile of similarities (tokens ``n0 + [0, BLOCK_N)``) into each row's running max, or running
+    log-sum-exp (``m``, ``acc``), and first arg-max (``arg``, with ``SAVE_AUX``)."""
     tile_max = tl.reduce(s, 1, _max_propagating_nan)
     if SMOOTH:
         m_new = _max_propagating_nan(m, tile_max)
@@ -110,6 +140,71 @@ def _fold_tile(
             arg = tl.where(tile_max > m, (first + n0).to(tl.int32), arg)
         m = _max_propagating_nan(m, tile_max)
     return m, acc, arg
+
+
+@triton.jit
+def _fold_tile(
+    m, acc, arg, n0, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
+    stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
+):
+    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row."""
+    s = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
+                           stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q, HAS_DMASK,
+                           ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D, WHOLE_TILE_MASKS)
+    return _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, SAVE_AUX, BLOCK_N)
+
+
+@triton.jit
+def _fold_run_tile(
+    m, acc, arg, tj, doc_end, n0, n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+    m_base, q_scale, q0, Nq, split, OUT, Ld, tau,
+    stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
+    PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
+):
+    """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
+    ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
+    end close document ``tj`` (its score is written), the rest open the next one. Not ``STRADDLE``: documents
+    of whole tiles, whose ends fall on tile ends."""
+    s = _tile_similarities(n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                           q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
+                           HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D)
+    in_doc = (doc_end - n0).to(tl.int32)      # tokens of this tile that belong to document tj (>= 1)
+    if not STRADDLE:
+        # documents of whole tiles: a tile meets a document's end only at its own end
+        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N)
+        ends = in_doc == BLOCK_N
+        m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+        acc_next = tl.zeros(acc.shape, dtype=tl.float32)
+    elif in_doc >= BLOCK_N:
+        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N)
+        ends = in_doc == BLOCK_N
+        m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+        acc_next = tl.zeros(acc.shape, dtype=tl.float32)
+    else:
+        # both parts folded before the score is written
+        first = (tl.arange(0, BLOCK_N) < in_doc)[None, :]
+        m, acc, arg = _fold_similarities(m, acc, arg, tl.where(first, s, float("-inf")), n0, inv_tau_log2e,
+                                         SMOOTH, False, BLOCK_N)
+        m_next, acc_next, arg = _fold_similarities(tl.full(m.shape, float("-inf"), dtype=tl.float32),
+                                                   tl.zeros(acc.shape, dtype=tl.float32), arg,
+                                                   tl.where(first, float("-inf"), s), n0, inv_tau_log2e,
+                                                   SMOOTH, False, BLOCK_N)
+        ends = True
+    if ends:
+        _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+        _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc, QPB, TOKB)
+        m = m_next
+        acc = acc_next
+        tj += 1
+        doc_end += Ld
+    return m, acc, arg, tj, doc_end
 
 
 @triton.jit
@@ -154,7 +249,8 @@ def maxsim_fwd_kernel(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
-    MULTI_DOC: tl.constexpr,
+    MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
+    WHOLE_TILE_MASKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -220,25 +316,55 @@ def maxsim_fwd_kernel(
     if MULTI_DOC:
         # docs_per_program padded documents per program (bandwidth-bound scoring): one loop over all their tiles,
         # so that loads stream on across document boundaries and the query tile is loaded (and quantised) once
-        tiles = tl.cdiv(Ld, BLOCK_N)
         cols64 = ncols.to(tl.int64)        # token offsets times strides may pass 2^31 (a transposed index)
         # the last program's group may hold fewer documents
-        for i in range(0, tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32) * tiles):
-            j = i // tiles
-            n0 = (i - j * tiles) * BLOCK_N
-            tj = t * docs_per_program + j
-            m, acc, arg = _fold_tile(
-                m, acc, arg, n0, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
-                SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N)
-            if n0 + BLOCK_N >= Ld:
-                # the document's last tile: its score, then a fresh state for the next one
-                _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
-                _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc,
-                                    QPB, TOKB)
-                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        n_here = tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32)
+        if FLAT_RUN:
+            # the group's documents (and their scales / mask) lie end to end in memory, each at least one tile
+            # long: the group is one run of tokens in tiles that may straddle two documents. Tile i starts at
+            # token i * BLOCK_N of the run (the loads of later tiles are issued ahead; no division, no wasted
+            # partial tile per document); only the run's last tile can be partial
+            tj = t * docs_per_program
+            run_d = tj * stride_dt
+            run_m = tj * stride_dmt
+            zero64 = t * 0                 # int64: a run's token offsets may pass 2^31
+            run_len = (zero64 + n_here) * Ld
+            doc_end = zero64 + Ld
+            n_whole = (run_len // BLOCK_N).to(tl.int32)
+            for i in range(0, n_whole):
+                n0 = (zero64 + i) * BLOCK_N
+                m, acc, arg, tj, doc_end = _fold_run_tile(
+                    m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
+                    d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
+                    stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
+                    False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE)
+            if STRADDLE and n_whole * BLOCK_N < run_len:
+                n0 = (zero64 + n_whole) * BLOCK_N
+                m, acc, arg, tj, doc_end = _fold_run_tile(
+                    m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
+                    d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
+                    stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
+                    True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE)
+        else:
+            tiles = tl.cdiv(Ld, BLOCK_N)
+            for i in range(0, n_here * tiles):
+                j = i // tiles
+                n0 = (i - j * tiles) * BLOCK_N
+                tj = t * docs_per_program + j
+                m, acc, arg = _fold_tile(
+                    m, acc, arg, n0, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0,
+                    DMASK, SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d,
+                    inv_tau_log2e, True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D,
+                    D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D)
+                if n0 + BLOCK_N >= Ld:
+                    # the document's last tile: its score, then a fresh state for the next one
+                    _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+                    _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc,
+                                        QPB, TOKB)
+                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     else:
         n_lo = ds * tokens_per_dsplit
         n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
@@ -252,13 +378,13 @@ def maxsim_fwd_kernel(
                 m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N)
+                PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS)
         for n0 in range(n_full, n_hi, BLOCK_N):
             m, acc, arg = _fold_tile(
                 m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N)
+                PRECISION, BLOCK_N, EVEN_D)
 
         m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         if ROW_OUT:

@@ -102,7 +102,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
-               DOCS=1, PROGRAMS_PER_SM=0)
+               DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -120,12 +120,17 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 4 documents per program: 4.70)
                 cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=16)
             else:
-                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8)
+                # whole tiles keep the token-range mask on their loads here (session 10, run 22: unmasked, 1x1k
+                # 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k 1024x1024 4.65 vs 4.55; 64x1k 32x300
+                # 0.343 vs 0.347)
+                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True)
                 tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
-        cfg["DSPLIT"] = max(1, min(_cdiv(2 * _sm_count(), programs), max_len // 512))
+        # about 2 programs per SM, rounded down, at least 2 slices (session 10, run 22: 16x32 32x8192, 128 pairs,
+        # 2 slices 0.066 ms vs 3 (rounded up) 0.072)
+        cfg["DSPLIT"] = max(1, min(max(2, 2 * _sm_count() // programs), max_len // 512))
         cfg["num_warps"] = 8
     if not save_aux and (Lq if paired else Nq * Lq) <= 32 and d <= 256:
         # bandwidth-bound (each document token meets at most 32 query tokens): one loop with a masked last
@@ -149,6 +154,18 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # 0.1812 vs 0.1836 at best, 32x1030 0.5795 vs 0.5908; session 5 with 4 per program: 0.190 vs 0.185).
             # Below 8 x SMs documents this leaves one document per program
             cfg["PROGRAMS_PER_SM"] = 8
+            # at most 128 registers: 8 programs of 2 warps per SM. The run of documents whose tiles straddle two
+            # documents takes 160 otherwise (6 per SM), and is slower than a loop per document at 6 per SM but
+            # faster at 8 (session 10, run 22: 1x10k 32x300 0.1121 vs 0.1136 ms, 32x1030 0.3295 vs 0.3394)
+            cfg["MAXNREG"] = 128
+    if (dtype in (torch.bfloat16, torch.float16) and not int8_products and not save_aux and cfg["DSPLIT"] == 1
+            and (max_len % cfg["BLOCK_N"] == 0 or cfg["D_CHUNKS"] > 1)):
+        # 16-bit documents of whole tiles (or chunked features): runs of several documents, 2 programs per SM
+        # (session 10, run 22, against one document per program: 1x1k 32x1024 0.0728 vs 0.0745 ms, 128x1024 0.0758
+        # vs 0.0795, 512x1024 0.217 vs 0.229, 1024x1024 0.430 vs 0.440, 1x10k 1024x1024 4.15 vs 4.43, d=384 0.324
+        # vs 0.375; 4 per SM within 1% except 128x1024, 0.0778). Not where tiles would straddle documents: 1x10k
+        # 32x300 0.189 vs 0.181, 32x1030 0.603 vs 0.579, d=96 0.115 vs 0.082
+        cfg["PROGRAMS_PER_SM"] = 2
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -157,7 +174,7 @@ class _ForwardPlan:
     """Everything about one forward launch that depends only on shapes, strides, dtypes and flags."""
 
     __slots__ = ("grid", "scalars", "meta", "meta_key", "scores_shape", "aux_shape", "aux_dtype", "row_out",
-                 "n_splits", "docs")
+                 "n_splits", "docs", "combine")
 
 
 # (shapes, strides, dtypes, flags) -> _ForwardPlan. Building a plan costs ~30 us of Python; a scoring call in a
@@ -216,6 +233,15 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         if cfg["PROGRAMS_PER_SM"]:
             # a grid of about PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents
             docs = max(1, _cdiv(T * n_qblocks * n_splits, cfg["PROGRAMS_PER_SM"] * _sm_count()))
+    sdt, sdl, sdd = _doc_strides(documents, offsets)
+    # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
+    sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
+    # several documents per program that lie end to end (and each fill a tile at least): one run of tokens. Tiles
+    # that straddle two documents not with 256-row tiles (Triton 3.6's pipeliner fails on them: run 22)
+    flat_run = (docs > 1 and Ld >= cfg["BLOCK_N"] and sdt == Ld * sdl
+                and (sdmt == Ld * sdml or (document_scales is None and documents_mask is None))
+                and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 128)
+                and bool(cfg.get("FLAT_RUN", True)))
     plan = _ForwardPlan()
     plan.row_out = row_out = n_ds > 1
     plan.n_splits = n_splits
@@ -234,10 +260,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         so = (0,) + _contiguous_strides(plan.scores_shape) if n_splits == 1 else _contiguous_strides(plan.scores_shape)
         sa = _contiguous_strides(plan.aux_shape) if save_aux else (0, 0, 0)
         sr = (0, 0, 0, 0)
-    sdt, sdl, sdd = _doc_strides(documents, offsets)
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
-    # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
-    sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
     tau = float(smooth_tau) if smooth else 1.0
     plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
     plan.scalars = (
@@ -257,10 +280,18 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
         UPCAST=interpreting() and queries.dtype == torch.bfloat16,
         PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
-        PEEL_TAIL=cfg["PEEL_TAIL"], MULTI_DOC=docs > 1,
+        PEEL_TAIL=cfg["PEEL_TAIL"], MULTI_DOC=docs > 1, FLAT_RUN=flat_run,
+        STRADDLE=flat_run and Ld % cfg["BLOCK_N"] != 0,
+        # d = BLOCK_D: no feature mask (chunked features keep theirs: d=384 with 190 registers instead of 138 was
+        # slower, run 22)
+        EVEN_D=cfg["D_CHUNKS"] == 1 and d == cfg["BLOCK_D"],
+        WHOLE_TILE_MASKS=cfg["WHOLE_TILE_MASKS"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if cfg["MAXNREG"]:
+        plan.meta["maxnreg"] = cfg["MAXNREG"]
     plan.meta_key = tuple(plan.meta.items())
+    plan.combine = _combine_plan(n_ds, Nq, C, Lq, smooth_tau) if row_out else None
     return plan
 
 
@@ -306,23 +337,29 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                document_scales if document_scales is not None else dummy)
     _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key)
     if plan.row_out:
-        return _combine_token_slices(scores, aux, smooth_tau), None
+        return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
 
 
-def _combine_token_slices(row_max, row_sum, smooth_tau):
-    """Per-row states of the document-token slices [n_ds, Nq, C, Lq] -> scores [Nq, C], in one launch (fixed
-    order). Masked query rows hold -inf (and a sum of 0): the forward kernel writes them so."""
-    n_ds, Nq, C, Lq = row_max.shape
-    out = torch.empty((Nq, C), dtype=torch.float32, device=row_max.device)
+def _combine_plan(n_ds, Nq, C, Lq, smooth_tau):
+    """(grid, scalars, meta, meta key) of the combine launch for per-row states [n_ds, Nq, C, Lq], planned with
+    the forward's (a small scoring call is host-bound: nothing here is recomputed per call)."""
     block_l = min(_pow2(Lq), 128)
     block_c = max(16, min(_pow2(C), 2048 // block_l))
     n_cblocks = _cdiv(C, block_c)
     tau = float(smooth_tau) if smooth_tau is not None else 1.0
-    _launcher.launch(maxsim_combine_slices_kernel, (Nq * n_cblocks,),
-                     (row_max, row_sum if row_sum is not None else row_max, out),
-                     (n_ds, Nq, C, Lq, n_cblocks, tau, math.log2(math.e) / tau),
-                     dict(SMOOTH=smooth_tau is not None, BLOCK_C=block_c, BLOCK_L=block_l, num_warps=4))
+    meta = dict(SMOOTH=smooth_tau is not None, BLOCK_C=block_c, BLOCK_L=block_l, num_warps=4)
+    return (Nq * n_cblocks,), (n_ds, Nq, C, Lq, n_cblocks, tau, math.log2(math.e) / tau), meta, tuple(meta.items())
+
+
+def _combine_token_slices(row_max, row_sum, combine):
+    """Per-row states of the document-token slices [n_ds, Nq, C, Lq] -> scores [Nq, C], in one launch (fixed
+    order; ``combine`` from _combine_plan). Masked query rows hold -inf (and a sum of 0): the forward kernel writes
+    them so."""
+    grid, scalars, meta, meta_key = combine
+    out = torch.empty(scalars[1:3], dtype=torch.float32, device=row_max.device)
+    _launcher.launch(maxsim_combine_slices_kernel, grid, (row_max, row_sum if row_sum is not None else row_max, out),
+                     scalars, meta, meta_key)
     return out
 
 

@@ -1,0 +1,149 @@
+"""A/B of the forward kernels against a baseline copy of them, in one device run: every forward row of issue 6
+and the int8 rows of issue 7, the baseline, this checkout's default and tile variants of it timed in interleaved
+rounds (so that clock drift hits every entry alike); medians of the rounds' medians.
+
+The baseline is ``src/flash_maxsim/kernels`` and ``_layout.py`` of a git revision, extracted as the package
+``flash_maxsim_base`` (the device copy of the repository has no history):
+
+    python benchmarks/ab_forward.py --extract HEAD .ab/base          # here; .ab is git-ignored, carried
+    python benchmarks/ab_forward.py --base .ab/base [--rows int8]    # on the GPU
+
+Both sides score the same canonical inputs through ``kernels.launch.forward`` (the host path above it is shared).
+Not the published benchmark (benchmarks/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (Nq, B, Lq, Ld, d, index): issue 6's forward rows (bf16), then issue 7's (int8 index)
+ROWS = [
+    (1, 1000, 32, 300, 128, None), (1, 10000, 32, 300, 128, None), (1, 1000, 32, 1024, 128, None),
+    (1, 10000, 32, 1030, 128, None), (1, 1000, 128, 1024, 128, None), (1, 1000, 512, 1024, 128, None),
+    (1, 1000, 1024, 1024, 128, None), (1, 10000, 1024, 1024, 128, None), (64, 1000, 32, 300, 128, None),
+    (16, 32, 32, 8192, 128, None), (1, 10000, 32, 180, 384, None), (1, 5000, 31, 257, 96, None),
+    (1, 10000, 32, 300, 128, "int8"), (1, 10000, 32, 1030, 128, "int8"), (1, 10000, 1024, 1024, 128, "int8"),
+]
+
+# session 10's variants (docs/perf-notes.md), by index (--variants): the several-documents loop as it was (one
+# tile loop per document, FLAT_RUN off); register caps for more resident programs per SM (int8 1024x1024: 208
+# registers, 2 programs of 4 warps; the 32-row int8 rows: 160 with straddling tiles, 6 programs of 2 warps), with
+# grids sized for them; 128-token tiles for the int8 bandwidth rows (a run of documents wastes no partial tile per
+# document); the peeled loop (unmasked whole tiles) on the bf16 bandwidth rows
+VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAMS_PER_SM": 12},
+            {"MAXNREG": 168, "PROGRAMS_PER_SM": 24}, {"MAXNREG": 128}, {"BLOCK_N": 128},
+            {"BLOCK_N": 128, "MAXNREG": 128}, {"PEEL_TAIL": True},
+            # 9-15, on the int8 1024x1024 row's run of whole tiles (3.39 ms in run 22's first call): stages, grid
+            # sizes, narrower tiles (64 tokens; 64 rows: a 64-register accumulator, more programs per SM)
+            {"num_stages": 2}, {"num_stages": 4}, {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 32}, {"BLOCK_N": 64},
+            {"ROWS": 64, "BLOCK_N": 128, "PROGRAMS_PER_SM": 16},
+            {"ROWS": 64, "BLOCK_N": 128, "PROGRAMS_PER_SM": 16, "MAXNREG": 128},
+            # 16-22: rows a few % short of their targets: grid sizes (int8 1x10k 32x300 at 8 programs per SM; bf16
+            # 1x1k rows, one document per program: runs of several), the 16x32 32x8192 row's token split (3 slices
+            # on 8 warps)
+            {"PROGRAMS_PER_SM": 6}, {"PROGRAMS_PER_SM": 12}, {"PROGRAMS_PER_SM": 2}, {"PROGRAMS_PER_SM": 4},
+            {"DSPLIT": 2}, {"DSPLIT": 4}, {"DSPLIT": 3, "num_warps": 4},
+            # 23: the token split's slice count before run 22 (2 programs per SM rounded up: 3 on the 16x32 row)
+            {"DSPLIT": 3}]
+
+
+def extract(rev: str, out: str) -> None:
+    """``flash_maxsim_base`` under ``out``: the kernels and the layout module of ``rev``."""
+    pkg = os.path.join(out, "flash_maxsim_base")
+    os.makedirs(os.path.join(pkg, "kernels"), exist_ok=True)
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=HERE).stdout.strip()
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "src/flash_maxsim/kernels/"], capture_output=True,
+                           text=True, check=True, cwd=root).stdout.split()
+    for path in names + ["src/flash_maxsim/_layout.py"]:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True,
+                              cwd=root).stdout
+        rel = os.path.relpath(path, "src/flash_maxsim")
+        with open(os.path.join(pkg, rel), "w") as f:
+            f.write(text)
+    for init in (os.path.join(pkg, "__init__.py"), os.path.join(pkg, "kernels", "__init__.py")):
+        if not os.path.exists(init):
+            open(init, "w").close()
+    rev_id = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, check=True,
+                            cwd=root).stdout.strip()
+    with open(os.path.join(pkg, "REVISION"), "w") as f:
+        f.write(rev_id + "\n")
+    print(f"extracted {len(names) + 1} files of {rev} ({rev_id}) into {pkg}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--extract", nargs=2, metavar=("REV", "DIR"), help="write the baseline package and exit")
+    ap.add_argument("--base", help="directory holding flash_maxsim_base (from --extract)")
+    ap.add_argument("--rows", default="", help="only rows whose name contains this text (e.g. int8, 1024x1024)")
+    ap.add_argument("--variants", default="", help="indices into VARIANTS, comma-separated (default: all)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.extract:
+        extract(*args.extract)
+        return 0
+    import triton.testing
+
+    import flash_maxsim as fm
+    from flash_maxsim import _layout
+    from flash_maxsim.kernels import launch
+    base_launch = None
+    if args.base:
+        sys.path.insert(0, os.path.abspath(args.base))
+        base_launch = importlib.import_module("flash_maxsim_base.kernels.launch")
+        with open(os.path.join(args.base, "flash_maxsim_base", "REVISION")) as f:
+            print(f"baseline: kernels of {f.read().strip()}")
+    dev = "cuda"
+    variants = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
+    torch.manual_seed(0)
+    for Nq, B, Lq, Ld, d, kind in ROWS:
+        name = f"{kind or 'bf16'} {Nq}x{B} {Lq}x{Ld} d={d}"
+        if args.rows not in name:
+            continue
+        q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
+        docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
+        if kind:
+            docs = fm.quantize(docs, dtype=kind)
+        p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=None)
+
+        def call(lm):
+            return lm.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
+                              False, None, False, p.max_length, p.document_scales)[0]
+
+        entries = [("base", base_launch, {})] if base_launch else []
+        entries += [("new " + (str(v) if v else "default"), launch, v) for v in variants]
+        want = call(base_launch or launch)
+        times: dict = {}
+        for _ in range(args.rounds):
+            for label, lm, v in entries:
+                launch.FORWARD_OVERRIDES.clear()
+                launch.FORWARD_OVERRIDES.update(v)
+                try:
+                    got = call(lm)
+                    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    if err > 1e-5:
+                        raise AssertionError(f"scores differ from the first entry's (relative {err:.1e})")
+                    t = triton.testing.do_bench(lambda: call(lm), warmup=10, rep=50, return_mode="median")
+                except Exception as exc:   # a variant that does not compile or fit: recorded, the sweep goes on
+                    t = float("inf")
+                    label = f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"
+                times.setdefault(label, []).append(t)
+        launch.FORWARD_OVERRIDES.clear()
+        ranked = sorted((statistics.median(v), k) for k, v in times.items())
+        ref = statistics.median(times["base"]) if "base" in times else ranked[0][0]
+        print(f"ab {name}: " + "  ".join(f"{t:.4f} ({t / ref:.3f}) {k}" for t, k in ranked), flush=True)
+        del q, docs, p
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
