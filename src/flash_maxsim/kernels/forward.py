@@ -176,13 +176,11 @@ def _fold_run_tile(
                            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
                            HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D)
     in_doc = (doc_end - n0).to(tl.int32)      # tokens of this tile that belong to document tj (>= 1)
-    if not STRADDLE:
-        # documents of whole tiles: a tile meets a document's end only at its own end
-        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N)
-        ends = in_doc == BLOCK_N
-        m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
-        acc_next = tl.zeros(acc.shape, dtype=tl.float32)
-    elif in_doc >= BLOCK_N:
+    # documents of whole tiles: every tile lies in one document (a compile-time True: no runtime branch)
+    in_one_doc = True
+    if STRADDLE:
+        in_one_doc = in_doc >= BLOCK_N
+    if in_one_doc:
         m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N)
         ends = in_doc == BLOCK_N
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)

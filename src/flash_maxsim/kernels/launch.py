@@ -120,9 +120,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 4 documents per program: 4.70)
                 cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=16)
             else:
-                # whole tiles keep the token-range mask on their loads here (session 10, run 22: unmasked, 1x1k
-                # 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k 1024x1024 4.65 vs 4.55; 64x1k 32x300
-                # 0.343 vs 0.347)
+                # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
+                # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
+                # 1024x1024 4.65 vs 4.55; 64x1k 32x300 0.343 vs 0.347). Runs of several documents (below) load
+                # whole tiles unmasked, as they were measured (run 22, ab3 / ab4)
                 cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True)
                 tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
