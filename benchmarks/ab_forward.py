@@ -53,7 +53,18 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"PROGRAMS_PER_SM": 6}, {"PROGRAMS_PER_SM": 12}, {"PROGRAMS_PER_SM": 2}, {"PROGRAMS_PER_SM": 4},
             {"DSPLIT": 2}, {"DSPLIT": 4}, {"DSPLIT": 3, "num_warps": 4},
             # 23: the token split's slice count before run 22 (2 programs per SM rounded up: 3 on the 16x32 row)
-            {"DSPLIT": 3}]
+            {"DSPLIT": 3},
+            # 24-29 (session 11), the int8 compute-bound grid: its run's scales loaded in the tile itself (not a tile
+            # ahead); the queries quantised in the kernel (not before the launch); with them quantised before, a
+            # register cap for 3 programs per SM (165 registers, no spills) with grids of 8 or 4 waves
+            {"PREFETCH_TOKENS": False}, {"QUANTIZE_FIRST": False}, {"QUANTIZE_FIRST": False, "PREFETCH_TOKENS": False},
+            {"MAXNREG": 168, "PROGRAMS_PER_SM": 24}, {"MAXNREG": 168, "PROGRAMS_PER_SM": 12}, {"MAXNREG": 168},
+            # 30-33 on that default (3 programs per SM): 2 stages; 64-token tiles, 3 or 4 programs per SM; 16 waves
+            {"num_stages": 2}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "MAXNREG": 128, "PROGRAMS_PER_SM": 32},
+            {"PROGRAMS_PER_SM": 48},
+            # 34-36: stages and warps on the rows a few % short of their targets (bandwidth-bound: 1x1k 32x1024,
+            # 128x1024; int8 1x10k 32x300)
+            {"num_stages": 4}, {"num_warps": 8}, {"num_stages": 2}]
 
 
 def extract(rev: str, out: str) -> None:

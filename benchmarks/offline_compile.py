@@ -155,7 +155,7 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
     calls = []
     saved = (_launcher.launch, launch._sm_count, torch.get_float32_matmul_precision(),
              dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES), ops._forced_backend)
-    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None: \
+    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None, plan=None: \
         calls.append((kernel, grid, tensors if keep_tensors else None, scalars, dict(meta)))
     launch._sm_count = lambda: sms
     launch._FORWARD_PLANS.clear()         # plans are keyed by shapes and device, not by SM count
@@ -247,8 +247,8 @@ def compile_launch(call, target: GPUTarget) -> dict:
             **_resource_usage(compiled.asm["cubin"])}
 
 
-_SHOWN_META = ("QUANTIZE_Q", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX", "ROW_OUT", "QPB", "TOKB",
-               "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
+_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX", "ROW_OUT",
+               "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

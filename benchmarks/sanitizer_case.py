@@ -103,6 +103,23 @@ def main():
                                whole_mask), 1e-5)
         check("int8 grouped, query split", grouped_split,
               reference.maxsim(queries_as_scored(long_q16, narrow).double(), narrow.dequantize(torch.float64)), 1e-5)
+        # the compute-bound grid's choices (forced at this size): queries quantised before the launch, runs of
+        # 128-token tiles (whole, masked; and straddling documents) with scales and mask loaded a tile ahead, 168
+        # registers
+        long_q, long_qm = torch.randn(2, 200, 128, device=dev, dtype=bf), torch.rand(2, 200, device=dev) > 0.2
+        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True,
+                                        PREFETCH_TOKENS=True, MAXNREG=168)
+        try:
+            compute_whole, compute_straddling = fm.maxsim(long_q, whole, long_qm), fm.maxsim(long_q, index, long_qm)
+        finally:
+            for knob in ("DOCS", "PROGRAMS_PER_SM", "BLOCK_N", "QUANTIZE_FIRST", "PREFETCH_TOKENS", "MAXNREG"):
+                launch.FORWARD_OVERRIDES.pop(knob)
+        check("int8 compute-bound grid, whole tiles", compute_whole,
+              reference.maxsim(queries_as_scored(long_q, whole).double(), whole.dequantize(torch.float64), long_qm,
+                               whole_mask), 1e-5)
+        check("int8 compute-bound grid, straddling tiles", compute_straddling,
+              reference.maxsim(queries_as_scored(long_q, index).double(), index.dequantize(torch.float64), long_qm),
+              1e-5)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -3,8 +3,9 @@
 ``D[t, j] ~= scale[t, j] * values[t, j]`` with ``scale = max_k |D[t, j, k]| / QMAX`` (QMAX = 127 for int8,
 448 for e4m3). Scoring (docs/semantics.md, "A compressed index"):
 
-- int8 with d <= 256: each query token is quantised the same way (in registers, by the forward kernel), the
-  tensor cores multiply int8 x int8 into exact int32 sums, and similarity (i, j) is scaled by the query token's
+- int8 with d <= 256: each query token is quantised the same way (in registers by the forward kernel; by
+  :func:`quantize_tokens` before the launch on the grid for long queries over many documents), the tensor cores
+  multiply int8 x int8 into exact int32 sums, and similarity (i, j) is scaled by the query token's
   and the document token's scales. The score is that of the dequantised query against the dequantised index; the
   CPU path computes the same (``kernels.launch.int8_products`` says when).
 - fp8, and int8 with d > 256: a document tile is loaded as int8/fp8 (half the bytes of bf16), converted to the

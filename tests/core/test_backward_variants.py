@@ -195,12 +195,14 @@ def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, gr
     all-masked document, a second query block and a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_sm_count", lambda: 4)
-    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, **grouping)
+    # the run's mask values loaded a tile ahead (the compute-bound int8 grid's choice) on 50-token documents
+    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, PREFETCH_TOKENS=Ld == 50, **grouping)
     _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, Ld, 16, 0.8, 0.6, seed=16), smooth_tau)
     plans = list(launch._FORWARD_PLANS.values())
     # groups of documents x 3 queries x 2 row tiles
     assert plans and all(p.docs == docs and p.grid == (groups * 3 * 2,) for p in plans)
     assert all(p.meta["FLAT_RUN"] == (Ld >= 16) for p in plans)
+    assert all(p.meta["PREFETCH_TOKENS"] == (Ld == 50) for p in plans)
 
 
 def test_flat_run_only_for_contiguous_documents(overrides, monkeypatch):

@@ -96,6 +96,24 @@ def test_runner_failure_falls_back_to_tritons_path(fresh_launcher):
     assert len(kernel.bound) == 3 and kernel.direct == []
 
 
+def test_a_plan_keys_its_launches_by_identity_and_alignment(fresh_launcher):
+    """With a plan (an object fixing grid, scalars, meta and dtypes) the key is the plan itself plus the pointers'
+    alignment: the same plan with aligned data reuses the runner; a misaligned pointer, or another plan object with
+    equal contents, binds again."""
+    kernel = FakeJIT()
+    meta = dict(BLOCK=64, FLAG=False)
+    plan, twin = object(), object()
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta, None, plan)
+    _launcher.launch(kernel, (3,), (FakeTensor(4096), y), (5,), meta, None, plan)   # other aligned data
+    assert len(kernel.bound) == 1 and kernel.direct[0][1][0].ptr == 4096
+    _launcher.launch(kernel, (3,), (FakeTensor(1026), y), (5,), meta, None, plan)   # 2-byte aligned pointer
+    _launcher.launch(kernel, (3,), (FakeTensor(1026), y), (5,), meta, None, plan)
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta, None, twin)
+    assert len(kernel.bound) == 3 and len(kernel.direct) == 2
+    assert kernel.direct[1][1][0].ptr == 1026
+
+
 def test_cpu_tensors_always_take_tritons_path(fresh_launcher):
     kernel = FakeJIT()
     x = FakeTensor(1024)
@@ -156,17 +174,17 @@ def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch)
 
 
 def test_several_documents_per_program_for_int8_products(monkeypatch):
-    """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 16 (compute-bound: long
-    queries over many documents), each program scoring an equal share of the documents; 16-bit documents 2 per
-    SM where they are whole tiles (or their features are chunked), else one per program, and so do int8 ones too
-    few to share."""
+    """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 24 (compute-bound: long
+    queries over many documents, 3 resident per SM), each program scoring an equal share of the documents; 16-bit
+    documents 2 per SM where they are whole tiles (or their features are chunked), else one per program, and so do
+    int8 ones too few to share."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
     def programs_per_sm(*args):
         return launch.forward_config(*args)["PROGRAMS_PER_SM"]
     assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True) == 8
     assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, False) == 0
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, True) == 16
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, True) == 24
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, False) == 2
     assert programs_per_sm(1, 1000, 32, 1024, 128, False, False, torch.float16, False) == 2
     assert programs_per_sm(1, 10000, 32, 180, 384, False, False, torch.bfloat16, False) == 2   # 3 feature chunks
@@ -180,22 +198,27 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
                                     torch.empty(B, Ld, 128, dtype=torch.int8), None, None, None, 0, False, None,
                                     False, Ld, torch.empty(B, Ld))
     p = plan(10000, 32, 300)            # 1,056 program slots: 10 documents each, 1,000 programs
-    assert p.docs == 10 and p.grid == (1000,) and p.meta["MULTI_DOC"]
-    p = plan(10000, 1024, 1024)         # 8 row tiles per document, 2,112 slots: 38 documents per program
-    assert p.docs == 38 and p.grid == (264 * 8,) and p.meta["MULTI_DOC"]
+    assert p.docs == 10 and p.grid == (1000,) and p.meta["MULTI_DOC"] and not p.meta["PREFETCH_TOKENS"]
+    p = plan(10000, 1024, 1024)         # 8 row tiles per document, 3,168 slots: 26 documents per program
+    assert p.docs == 26 and p.grid == (385 * 8,) and p.meta["MULTI_DOC"]
+    # scales loaded a tile ahead; queries quantised before the launch; 168 registers for 3 programs per SM
+    assert p.meta["FLAT_RUN"] and p.meta["PREFETCH_TOKENS"] and p.meta["Q_QUANTIZED"] and p.meta["maxnreg"] == 168
+    p = plan(10000, 32, 1024)
+    assert not p.meta["Q_QUANTIZED"] and not p.meta["PREFETCH_TOKENS"]
     p = plan(500, 32, 300)
     assert p.docs == 1 and p.grid == (500,) and not p.meta["MULTI_DOC"]
 
 
-def test_runs_of_documents_that_straddle_tiles_not_with_256_rows(monkeypatch):
+def test_runs_of_documents_that_straddle_tiles_only_where_triton_compiles_them(monkeypatch):
     """Several documents per program stream as one run of tokens (FLAT_RUN); where tiles would straddle two
-    documents, not with 256-row tiles (Triton 3.6 fails to compile that loop, run 22): the per-document loop."""
+    documents, only with 32 rows or 128-token tiles (Triton 3.6 fails to compile 64-token tiles of 64, 128 or 256
+    rows: run 22, benchmarks/probe_runs.py): the per-document loop otherwise."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
     monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"DOCS": 4, "PROGRAMS_PER_SM": 0})
 
-    def meta(Nq, Lq, Ld):
-        p = launch._forward_plan(torch.empty(Nq, Lq, 128, dtype=torch.bfloat16),
-                                 torch.empty(1000, Ld, 128, dtype=torch.bfloat16), None, None, None, 0, False, None,
+    def meta(Nq, Lq, Ld, d=128):
+        p = launch._forward_plan(torch.empty(Nq, Lq, d, dtype=torch.bfloat16),
+                                 torch.empty(1000, Ld, d, dtype=torch.bfloat16), None, None, None, 0, False, None,
                                  False, Ld, None)
         return p.meta
     m = meta(64, 32, 300)                    # 8 queries x 32 tokens: 256 rows
@@ -204,6 +227,12 @@ def test_runs_of_documents_that_straddle_tiles_not_with_256_rows(monkeypatch):
     assert m["TOKB"] * m["QPB"] == 256 and m["FLAT_RUN"] and not m["STRADDLE"]
     m = meta(1, 32, 300)
     assert m["FLAT_RUN"] and m["STRADDLE"]
+    m = meta(1, 64, 300)                     # 64 rows
+    assert m["TOKB"] * m["QPB"] == 64 and m["MULTI_DOC"] and not m["FLAT_RUN"]
+    m = meta(1, 128, 300)
+    assert m["TOKB"] * m["QPB"] == 128 and m["MULTI_DOC"] and not m["FLAT_RUN"]
+    m = meta(1, 128, 180, 384)               # d = 384: 128-token tiles
+    assert m["BLOCK_N"] == 128 and m["FLAT_RUN"] and m["STRADDLE"]
 
 
 def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):
@@ -273,7 +302,7 @@ def test_backward_plan_is_built_once_per_problem_and_launches_the_same(monkeypat
     allocated per call); other strides, or a tuning override, get their own plan."""
     from flash_maxsim.kernels import launch
     launched = []
-    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, meta_key=None:
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, *keys:
                         launched.append((kernel, grid, scalars, meta)))
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     built = []
@@ -309,7 +338,7 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "FUSED", False)
     partials = []
 
-    def record(kernel, grid, tensors, scalars, meta, meta_key=None):
+    def record(kernel, grid, tensors, scalars, meta, meta_key=None, plan=None):
         if kernel is launch.maxsim_bwd_dq_kernel:
             partials.append(weakref.ref(tensors[7]))
         elif kernel is launch.maxsim_bwd_dd_dense_kernel:
@@ -329,7 +358,7 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
 def _recorded_launches(monkeypatch):
     from flash_maxsim.kernels import launch
     launched = []
-    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, meta_key=None:
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, *keys:
                         launched.append((kernel, tensors)))
     return launched
 

@@ -84,6 +84,9 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
         assert set(row["mma"]) == {instruction}, row["mma"]
     assert _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["MULTI_DOC"]
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
+    # the compute-bound grid reads queries quantised before the launch; the bandwidth-bound one quantises them
+    assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["Q_QUANTIZED"]
+    assert not _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["Q_QUANTIZED"]
     # the conversion paths (switched off, d > 256, fp8) multiply in bf16
     for case in ("int8 converted", "int8 d=384 (converted)", "fp8 1x1k 32x300"):
         row = _by_case(rows, case)

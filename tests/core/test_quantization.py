@@ -113,15 +113,24 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         # what long documents with few programs get: each document's tokens split over programs (here 2 slices
         # of 128 tokens), the per-row states combined afterwards
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
+    # d = 64: the run's scales and mask values loaded a tile ahead (as the compute-bound int8 grid does); d = 64 or
+    # 96: the queries quantised before the launch (as that grid does too), the kernel reading their int8 values
+    prefetch = layout.startswith("grouped") and d == 64
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
     if layout.startswith("grouped"):
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PREFETCH_TOKENS", prefetch)
+        # 32-row tiles (2 queries of 16 tokens, 2 query blocks): tiles may straddle documents with these
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "ROWS", 32)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
     assert plan.meta["QUANTIZE_Q"] and plan.row_out == (layout == "sliced")
     assert plan.docs == (3 if layout.startswith("grouped") else 1)
     assert plan.meta["FLAT_RUN"] == layout.startswith("grouped")
+    assert plan.meta["PREFETCH_TOKENS"] == prefetch
+    assert plan.meta["Q_QUANTIZED"] == (d in (64, 96))
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
     assert values[0, 1, :3].tolist() == [127, 0, 2]
@@ -180,14 +189,17 @@ def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
     assert queries_as_scored(q, small) is q
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_finite_query_tokens_score_nan_against_an_int8_index(backend):
+@pytest.mark.parametrize("backend, quantize_first", [("torch", False), ("triton", False), ("triton", True)],
+                         ids=["torch", "triton", "triton-queries-quantized-first"])
+def test_non_finite_query_tokens_score_nan_against_an_int8_index(backend, quantize_first, monkeypatch):
     """A NaN or infinite value in a valid query token: its quantisation scale is not finite, so every score it
-    enters is NaN, on the kernels (which quantise it in registers) as on the CPU path; the same token masked out
-    changes nothing. A document with no valid token still adds 0 for it."""
+    enters is NaN, on the kernels (which quantise it in registers, or read it quantised before the launch) as on
+    the CPU path; the same token masked out changes nothing. A document with no valid token still adds 0 for it."""
     from flash_maxsim.kernels import launch
     if not _backend_ok(backend):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", quantize_first)
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     dev = _device()
     g = torch.Generator().manual_seed(19)
     q = torch.randn(3, 4, 16, generator=g)

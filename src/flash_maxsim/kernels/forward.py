@@ -78,10 +78,12 @@ def _tile_similarities(
     PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
+    sc_loaded=None, dm_loaded=None, PRELOADED: tl.constexpr = False,
 ):
     """The similarities of every row with the document tokens ``n`` (scaled, masked: -inf where a token does not
     count). ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
-    per-element test, in the loads too."""
+    per-element test, in the loads too. ``PRELOADED`` (whole tiles only): the tokens' scales and mask values were
+    loaded by the caller (``sc_loaded``, ``dm_loaded``), a tile ahead."""
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
@@ -90,6 +92,8 @@ def _tile_similarities(
         # quantized documents: scales share the mask's layout (per document token)
         if PARTIAL:
             sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+        elif PRELOADED:
+            sc = sc_loaded
         else:
             sc = tl.load(SCALES + m_base + n * stride_dml)
         s = s * sc[None, :]
@@ -107,7 +111,10 @@ def _tile_similarities(
             else:
                 s = tl.where(valid[None, :], s, float("-inf"))
         else:
-            valid = tl.load(DMASK + m_base + n * stride_dml) != 0
+            if PRELOADED:
+                valid = dm_loaded != 0
+            else:
+                valid = tl.load(DMASK + m_base + n * stride_dml) != 0
             if ZERO_MASKED:
                 s = tl.where(valid[None, :], s, 0.0)
             else:
@@ -167,14 +174,16 @@ def _fold_run_tile(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
+    sc_loaded, dm_loaded, PRELOADED: tl.constexpr,
 ):
     """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
     ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
     end close document ``tj`` (its score is written), the rest open the next one. Not ``STRADDLE``: documents
-    of whole tiles, whose ends fall on tile ends."""
+    of whole tiles, whose ends fall on tile ends. ``PRELOADED``: the tile's scales / mask values are given."""
     s = _tile_similarities(n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
                            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
-                           HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D)
+                           HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D, False,
+                           sc_loaded, dm_loaded, PRELOADED)
     in_doc = (doc_end - n0).to(tl.int32)      # tokens of this tile that belong to document tj (>= 1)
     # documents of whole tiles: every tile lies in one document (a compile-time True: no runtime branch)
     in_one_doc = True
@@ -232,7 +241,7 @@ def _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, str
 
 @triton.jit
 def maxsim_fwd_kernel(
-    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES,
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES,
     Nq, Lq, d, Ld, K, n_docs, docs_per_program,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
@@ -248,7 +257,7 @@ def maxsim_fwd_kernel(
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
     MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
-    WHOLE_TILE_MASKS: tl.constexpr,
+    WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -292,7 +301,16 @@ def maxsim_fwd_kernel(
         if UPCAST:
             q_tile = q_tile.to(tl.float32)
     q_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    if QUANTIZE_Q:
+    if Q_QUANTIZED:
+        # int8 x int8 products on queries quantised before the launch (quantization.quantize_tokens): Q holds their
+        # int8 values, QSCALES their scales, contiguous [Nq, Lq]. A loaded (not computed) query tile is the tensor
+        # cores' operand straight from shared memory, not reloaded into registers for every document tile
+        q_tile = q_tile.to(tl.int8)
+        q_scale = tl.load(QSCALES + qidx.to(tl.int64) * Lq + tok, mask=row_ok, other=1.0)
+        # a NaN or infinite query token scores NaN, as the in-kernel quantisation below makes it
+        q_scale = tl.where(q_scale < float("inf"), q_scale, float("nan"))
+        q_scale = tl.where(row_ok, q_scale, 1.0)
+    elif QUANTIZE_Q:
         # int8 x int8 products (int8 documents, D_CHUNKS == 1): each query token quantised here exactly as
         # quantization.quantize_tokens does it (scale = amax / 127, IEEE division, round half to even through
         # the 1.5 * 2^23 trick, valid for |y| <= 127), so the score is that of the dequantised query
@@ -329,14 +347,32 @@ def maxsim_fwd_kernel(
             run_len = (zero64 + n_here) * Ld
             doc_end = zero64 + Ld
             n_whole = (run_len // BLOCK_N).to(tl.int32)
+            # the per-token scales / mask values of each whole tile are loaded a tile ahead: the pipeliner issues
+            # the document tiles' loads early but not these, whose latency the tile's products did not cover
+            sc_next = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            dm_next = tl.zeros((BLOCK_N,), dtype=tl.uint8)
+            if PREFETCH_TOKENS:
+                if HAS_SCALES:
+                    sc_next = tl.load(SCALES + run_m + cols64 * stride_dml)
+                if HAS_DMASK:
+                    dm_next = tl.load(DMASK + run_m + cols64 * stride_dml)
             for i in range(0, n_whole):
                 n0 = (zero64 + i) * BLOCK_N
+                sc_tile = sc_next
+                dm_tile = dm_next
+                if PREFETCH_TOKENS:
+                    # the next whole tile's (this one's again after the last: a valid address, never used)
+                    n_next = (zero64 + tl.minimum(i + 1, n_whole - 1)) * BLOCK_N + cols64
+                    if HAS_SCALES:
+                        sc_next = tl.load(SCALES + run_m + n_next * stride_dml)
+                    if HAS_DMASK:
+                        dm_next = tl.load(DMASK + run_m + n_next * stride_dml)
                 m, acc, arg, tj, doc_end = _fold_run_tile(
                     m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
                     d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
                     stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
                     False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE)
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS)
             if STRADDLE and n_whole * BLOCK_N < run_len:
                 n0 = (zero64 + n_whole) * BLOCK_N
                 m, acc, arg, tj, doc_end = _fold_run_tile(
@@ -344,7 +380,7 @@ def maxsim_fwd_kernel(
                     d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
                     stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
                     True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE)
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):

@@ -9,7 +9,9 @@ Canonical inputs (see ``flash_maxsim._layout``):
 
 Memory: scores ``[Nq, C]`` fp32, plus ``[n_splits, Nq, C]`` partial sums when a query is longer than one
 tile (deterministic two-stage sum), plus, only when a gradient will be taken, ``aux`` ``[Nq, C, Lq]``
-(arg-max int16, int32 for documents over 32767 tokens, or fp32 log-sum-exp). Nothing scales with Lq*Ld.
+(arg-max int16, int32 for documents over 32767 tokens, or fp32 log-sum-exp); on the int8 compute-bound grid the
+queries quantised before the launch (``[Nq, Lq, d]`` int8 and ``[Nq, Lq]`` fp32, through fp32 temporaries of the
+queries' size). Nothing scales with Lq*Ld.
 """
 
 import math
@@ -102,7 +104,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     # 128-token tiles when d > 256 (feature axis chunked)
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
-               DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0)
+               DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
+               QUANTIZE_FIRST=False)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -118,7 +121,12 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # quantises its query rows once for all of them (session 7, run 12, 4 documents: 4.75 vs 5.95 ms);
                 # as many as make 16 programs per SM (session 9, device call 1: 4.31 ms; 8: 4.36, 4: 4.45, 2: 4.58,
                 # 4 documents per program: 4.70)
-                cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=16)
+                # Session 11 (ab_forward, 1x10k 1024x1024 against 3.43 ms): the run's per-token scales (and mask)
+                # loaded a tile ahead (3.32; not on the streaming grid below: 1x10k 32x1030 0.3248 vs 0.3221); the
+                # queries quantised before the launch, so that the tensor cores read the query tile from shared memory
+                # (ncu: 8% of the warps' time went to its per-tile reload into registers) in 165 registers, and 3
+                # programs per SM (3.00; 2 per SM 3.37): 8 waves of 3
+                cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True)
             else:
                 # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
@@ -217,6 +225,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # queries quantised in the kernel: tiled like bf16 ones (both on tensor cores)
     cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux,
                          torch.bfloat16 if quantize_q else queries.dtype, quantize_q)
+    # or quantised before the launch (forward() does it), read by the kernel as contiguous int8 values
+    q_quantized = quantize_q and bool(cfg["QUANTIZE_FIRST"])
+    q_strides = _contiguous_strides((Nq, Lq, d)) if q_quantized else queries.stride()
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
     if save_aux:
         n_ds = 1
@@ -238,10 +249,11 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
     sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
     # several documents per program that lie end to end (and each fill a tile at least): one run of tokens. Tiles
-    # that straddle two documents not with 256-row tiles (Triton 3.6's pipeliner fails on them: run 22)
+    # that straddle two documents only where Triton 3.6 compiles them: 32 rows, or 128-token tiles of up to 128 rows
+    # (its pipeliner fails on 64-token tiles of 64, 128 or 256 rows: run 22 and session 11's benchmarks/probe_runs.py)
     flat_run = (docs > 1 and Ld >= cfg["BLOCK_N"] and sdt == Ld * sdl
                 and (sdmt == Ld * sdml or (document_scales is None and documents_mask is None))
-                and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 128)
+                and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 32 or (cfg["BLOCK_N"] >= 128 and tokb * qpb <= 128))
                 and bool(cfg.get("FLAT_RUN", True)))
     plan = _ForwardPlan()
     plan.row_out = row_out = n_ds > 1
@@ -267,7 +279,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     plan.scalars = (
         Nq, Lq, d, Ld, max(candidates, 1), T, docs,
         n_qblocks, n_splits, n_ds, tokens_per_ds,
-        queries.stride(0), queries.stride(1), queries.stride(2),
+        *q_strides,
         sdt, sdl, sdd,
         sqmn, sqml,
         sdmt, sdml,
@@ -287,6 +299,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         # slower, run 22)
         EVEN_D=cfg["D_CHUNKS"] == 1 and d == cfg["BLOCK_D"],
         WHOLE_TILE_MASKS=cfg["WHOLE_TILE_MASKS"],
+        PREFETCH_TOKENS=flat_run and (document_scales is not None or documents_mask is not None)
+        and bool(cfg["PREFETCH_TOKENS"]),
+        Q_QUANTIZED=q_quantized,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if cfg["MAXNREG"]:
@@ -330,13 +345,19 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     # no aux tensor when the kernel writes none (an allocation costs ~3 us of host time, a tenth of a small
     # scoring call's)
     aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device) if plan.aux_shape is not None else None
+    query_scales = None
+    if plan.meta["Q_QUANTIZED"]:
+        # the compute-bound int8 grid: a few small PyTorch launches (tens of us) before a kernel of milliseconds
+        from ..quantization import quantize_tokens
+        queries, query_scales = quantize_tokens(queries)
     tensors = (queries, documents,
                queries_mask if queries_mask is not None else dummy,
                documents_mask if documents_mask is not None else dummy,
                offsets if offsets is not None else dummy,
                scores, aux if aux is not None else dummy,
-               document_scales if document_scales is not None else dummy)
-    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key)
+               document_scales if document_scales is not None else dummy,
+               query_scales if query_scales is not None else dummy)
+    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
