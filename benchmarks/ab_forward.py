@@ -64,7 +64,11 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"PROGRAMS_PER_SM": 48},
             # 34-36: stages and warps on the rows a few % short of their targets (bandwidth-bound: 1x1k 32x1024,
             # 128x1024; int8 1x10k 32x300)
-            {"num_stages": 4}, {"num_warps": 8}, {"num_stages": 2}]
+            {"num_stages": 4}, {"num_warps": 8}, {"num_stages": 2},
+            # 37-39: bf16 bandwidth rows in straddling runs of documents on the int8 streaming grid's sizes (8 or 16
+            # programs of 2 warps per SM; session 10 tried 2 and 4 per SM): no partial tile per document (d=96's
+            # 257 tokens: 5 tiles of 64 for 4.02 tiles of tokens)
+            {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}, {"PROGRAMS_PER_SM": 8, "MAXNREG": 128}]
 
 
 def extract(rev: str, out: str) -> None:
