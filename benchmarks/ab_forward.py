@@ -68,7 +68,9 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             # 37-39: bf16 bandwidth rows in straddling runs of documents on the int8 streaming grid's sizes (8 or 16
             # programs of 2 warps per SM; session 10 tried 2 and 4 per SM): no partial tile per document (d=96's
             # 257 tokens: 5 tiles of 64 for 4.02 tiles of tokens)
-            {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}, {"PROGRAMS_PER_SM": 8, "MAXNREG": 128}]
+            {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}, {"PROGRAMS_PER_SM": 8, "MAXNREG": 128},
+            # 40-41: the int8 compute-bound grid's whole document tiles copied by TMA (a tensor descriptor), on or off
+            {"TMA_DOCS": True}, {"TMA_DOCS": False}]
 
 
 def extract(rev: str, out: str) -> None:

@@ -114,6 +114,8 @@ CASES = [
     # compressed index
     Case("int8 1x3k 32x300 (several documents per program)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128),
                                                                 None, None)),
+    Case("int8 1x4k 1024x1024 (runs of documents by TMA)", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
+                                                                  None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
     Case("int8 d=16 (products over 32 zero-padded features)", lambda: (_q(3, 4, 16), _quantized(7, 9, 16),
@@ -147,15 +149,17 @@ CASES = [
 
 @contextlib.contextmanager
 def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrides=None, backward_overrides=None,
-                      keep_tensors: bool = True):
+                      keep_tensors: bool = True, capability: tuple = (9, 0)):
     """The library's GPU host path on CPU tensors, with every kernel launch recorded instead of run: calls go
     to the Triton backend whatever the device, the launcher appends (kernel, grid, tensors, scalars, meta) to the
     list yielded (without the tensors unless ``keep_tensors``: holding them would change what memory is alive),
-    the SM count is the target's. Outputs hold whatever memory they were allocated with."""
+    the SM count and compute capability are the target's. Outputs hold whatever memory they were allocated with."""
     calls = []
     saved = (_launcher.launch, launch._sm_count, torch.get_float32_matmul_precision(),
-             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES), ops._forced_backend)
-    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None, plan=None: \
+             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES), ops._forced_backend,
+             launch.CAPABILITY_OVERRIDE)
+    launch.CAPABILITY_OVERRIDE = tuple(capability)
+    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None, plan=None, cache=True: \
         calls.append((kernel, grid, tensors if keep_tensors else None, scalars, dict(meta)))
     launch._sm_count = lambda: sms
     launch._FORWARD_PLANS.clear()         # plans are keyed by shapes and device, not by SM count
@@ -168,6 +172,7 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
         yield calls
     finally:
         _launcher.launch, launch._sm_count, ops._forced_backend = saved[0], saved[1], saved[5]
+        launch.CAPABILITY_OVERRIDE = saved[6]
         torch.set_float32_matmul_precision(saved[2])
         launch.FORWARD_OVERRIDES.clear(), launch.FORWARD_OVERRIDES.update(saved[3])
         launch.BACKWARD_OVERRIDES.clear(), launch.BACKWARD_OVERRIDES.update(saved[4])
@@ -175,11 +180,12 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
         launch._BACKWARD_PLANS.clear()
 
 
-def record_launches(case: Case, sms: int) -> list:
+def record_launches(case: Case, sms: int, arch: int = 90) -> list:
     """The (kernel, grid, tensors, scalars, meta) of every launch the library makes for ``case``."""
     queries, documents, qmask, dmask = case.build()
     p = _layout.canonicalize(queries, documents, qmask, dmask, masked=case.masked, smooth_tau=case.smooth_tau)
-    with launches_recorded(sms, case.fp32_precision, case.forward_overrides, case.backward_overrides) as calls:
+    with launches_recorded(sms, case.fp32_precision, case.forward_overrides, case.backward_overrides,
+                           capability=(arch // 10, arch % 10)) as calls:
         _, aux = launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
                                 case.masked == "zero", case.smooth_tau, case.training, p.max_length,
                                 p.document_scales)
@@ -247,8 +253,8 @@ def compile_launch(call, target: GPUTarget) -> dict:
             **_resource_usage(compiled.asm["cubin"])}
 
 
-_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX", "ROW_OUT",
-               "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
+_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX",
+               "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:
@@ -258,7 +264,7 @@ def run_cases(cases, arch: int, sms: int, log=print) -> list:
         if arch < case.min_arch:
             continue
         try:
-            calls = record_launches(case, sms)
+            calls = record_launches(case, sms, arch)
         except Exception as exc:              # a host-side failure is a finding too
             rows.append({"case": case.name, "error": f"host: {type(exc).__name__}: {exc}"})
             log(f"FAIL {case.name}: host code raised {type(exc).__name__}: {exc}")

@@ -104,15 +104,16 @@ def main():
         check("int8 grouped, query split", grouped_split,
               reference.maxsim(queries_as_scored(long_q16, narrow).double(), narrow.dequantize(torch.float64)), 1e-5)
         # the compute-bound grid's choices (forced at this size): queries quantised before the launch, runs of
-        # 128-token tiles (whole, masked; and straddling documents) with scales and mask loaded a tile ahead, 168
-        # registers
+        # 128-token tiles (whole, masked, copied by TMA; and straddling documents) with scales and mask loaded a
+        # tile ahead, 168 registers
         long_q, long_qm = torch.randn(2, 200, 128, device=dev, dtype=bf), torch.rand(2, 200, device=dev) > 0.2
         launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True,
-                                        PREFETCH_TOKENS=True, MAXNREG=168)
+                                        PREFETCH_TOKENS=True, MAXNREG=168, TMA_DOCS=True)
         try:
             compute_whole, compute_straddling = fm.maxsim(long_q, whole, long_qm), fm.maxsim(long_q, index, long_qm)
         finally:
-            for knob in ("DOCS", "PROGRAMS_PER_SM", "BLOCK_N", "QUANTIZE_FIRST", "PREFETCH_TOKENS", "MAXNREG"):
+            for knob in ("DOCS", "PROGRAMS_PER_SM", "BLOCK_N", "QUANTIZE_FIRST", "PREFETCH_TOKENS", "MAXNREG",
+                         "TMA_DOCS"):
                 launch.FORWARD_OVERRIDES.pop(knob)
         check("int8 compute-bound grid, whole tiles", compute_whole,
               reference.maxsim(queries_as_scored(long_q, whole).double(), whole.dequantize(torch.float64), long_qm,

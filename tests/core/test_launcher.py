@@ -179,6 +179,7 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     documents 2 per SM where they are whole tiles (or their features are chunked), else one per program, and so do
     int8 ones too few to share."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "CAPABILITY_OVERRIDE", (9, 0))
 
     def programs_per_sm(*args):
         return launch.forward_config(*args)["PROGRAMS_PER_SM"]
@@ -201,8 +202,10 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert p.docs == 10 and p.grid == (1000,) and p.meta["MULTI_DOC"] and not p.meta["PREFETCH_TOKENS"]
     p = plan(10000, 1024, 1024)         # 8 row tiles per document, 3,168 slots: 26 documents per program
     assert p.docs == 26 and p.grid == (385 * 8,) and p.meta["MULTI_DOC"]
-    # scales loaded a tile ahead; queries quantised before the launch; 168 registers for 3 programs per SM
+    # scales loaded a tile ahead; queries quantised before the launch; 168 registers for 3 programs per SM; whole
+    # tiles copied by TMA on Hopper
     assert p.meta["FLAT_RUN"] and p.meta["PREFETCH_TOKENS"] and p.meta["Q_QUANTIZED"] and p.meta["maxnreg"] == 168
+    assert p.meta["TMA_DOCS"]
     p = plan(10000, 32, 1024)
     assert not p.meta["Q_QUANTIZED"] and not p.meta["PREFETCH_TOKENS"]
     p = plan(500, 32, 300)
@@ -338,7 +341,7 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "FUSED", False)
     partials = []
 
-    def record(kernel, grid, tensors, scalars, meta, meta_key=None, plan=None):
+    def record(kernel, grid, tensors, scalars, meta, meta_key=None, plan=None, cache=True):
         if kernel is launch.maxsim_bwd_dq_kernel:
             partials.append(weakref.ref(tensors[7]))
         elif kernel is launch.maxsim_bwd_dd_dense_kernel:

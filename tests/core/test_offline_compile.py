@@ -86,6 +86,11 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
     # the compute-bound grid reads queries quantised before the launch; the bandwidth-bound one quantises them
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["Q_QUANTIZED"]
+    # runs of documents: their whole tiles copied by TMA (Hopper only); one document per program: per-thread copies
+    runs = "int8 1x4k 1024x1024 (runs of documents by TMA)"
+    assert _by_case(rows, runs)["meta"]["TMA_DOCS"] and _by_case(rows, runs)["meta"]["MULTI_DOC"]
+    assert set(_by_case(rows, runs)["mma"]) == {"wgmma s8"}
+    assert not _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["TMA_DOCS"]
     assert not _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["Q_QUANTIZED"]
     # the conversion paths (switched off, d > 256, fp8) multiply in bf16
     for case in ("int8 converted", "int8 d=384 (converted)", "fp8 1x1k 32x300"):
@@ -101,6 +106,7 @@ def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):
         assert set(row["mma"]) == {"wgmma bf16"}, row["mma"]
         assert set(_by_case(ampere[1], case)["mma"]) == {"mma.sync bf16"}   # no wgmma before Hopper
     assert set(_by_case(hopper[1], "fp32 tf32")["mma"]) == {"wgmma tf32"}
+    assert not _by_case(ampere[1], "int8 1x4k 1024x1024 (runs of documents by TMA)")["meta"]["TMA_DOCS"]  # no TMA
     assert _by_case(hopper[1], "fp32 highest (CUDA cores)")["mma"] == {}   # full fp32: FMA, no tensor cores
     assert _by_case(hopper[1], "bf16 16x32 32x8192 (token split)")["meta"]["ROW_OUT"]
 

@@ -117,6 +117,9 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     # 96: the queries quantised before the launch (as that grid does too), the kernel reading their int8 values
     prefetch = layout.startswith("grouped") and d == 64
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
+    # grouped-whole at d = 64: the whole tiles copied through a tensor descriptor (TMA on Hopper)
+    tma = layout == "grouped-whole" and d == 64
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "TMA_DOCS", tma)
     if layout.startswith("grouped"):
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
@@ -131,6 +134,7 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     assert plan.meta["FLAT_RUN"] == layout.startswith("grouped")
     assert plan.meta["PREFETCH_TOKENS"] == prefetch
     assert plan.meta["Q_QUANTIZED"] == (d in (64, 96))
+    assert plan.meta["TMA_DOCS"] == (tma and (launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0)))
     values, scales = quantize_tokens(q)
     assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
     assert values[0, 1, :3].tolist() == [127, 0, 2]
@@ -278,3 +282,41 @@ def test_scale_granularity_experiment_emulates_the_index_exactly(kind, monkeypat
     index = fm.quantize([values], dtype=kind)
     got = index.dequantize().values
     torch.testing.assert_close(fake_quantize(values, 128, kind), got, rtol=1e-6, atol=1e-7)
+
+
+def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkeypatch):
+    """Whole int8 tiles come by TMA from a tensor descriptor, which needs a 16-byte aligned base: an index whose
+    values start 1 byte into their storage takes the per-thread copies instead (the plan is the same; the launch
+    switches TMA_DOCS off), with the same scores as the aligned index."""
+    from flash_maxsim.kernels import _launcher, launch
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    if dev == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0")
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(2, 5, 32, generator=g).to(dev, torch.bfloat16)
+    index = fm.quantize(torch.randn(5, 32, 32, generator=g).to(dev))
+    storage = torch.empty(1 + index.values.numel(), dtype=torch.int8, device=dev)
+    shifted = storage[1:].view(index.values.shape)
+    shifted.copy_(index.values)
+    misaligned = fm.QuantizedDocuments(values=shifted, scales=index.scales)
+    assert misaligned.values.data_ptr() % 16 == 1
+    for knob, value in dict(DOCS=3, PROGRAMS_PER_SM=0, BLOCK_N=16, QUANTIZE_FIRST=True, TMA_DOCS=True).items():
+        monkeypatch.setitem(launch.FORWARD_OVERRIDES, knob, value)
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    launched = []
+    real_launch = _launcher.launch
+
+    def record(kernel, grid, tensors, scalars, meta, *rest, **kw):
+        launched.append(meta["TMA_DOCS"])
+        return real_launch(kernel, grid, tensors, scalars, meta, *rest, **kw)
+    monkeypatch.setattr(_launcher, "launch", record)
+    with force_backend("triton"):
+        aligned_scores, misaligned_scores = fm.maxsim(q, index), fm.maxsim(q, misaligned)
+    (plan,) = launch._FORWARD_PLANS.values()
+    assert plan.meta["TMA_DOCS"] and plan.meta["FLAT_RUN"]
+    assert launched == [True, False]
+    want = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64))
+    torch.testing.assert_close(aligned_scores.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(misaligned_scores, aligned_scores, rtol=0, atol=0)

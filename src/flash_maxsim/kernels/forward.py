@@ -33,15 +33,19 @@ def _similarity_tile(
     stride_qd, stride_dd, d,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     INT_DOT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
+    D_DESC=None, tma_row=0, TMA: tl.constexpr = False,
 ):
     """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only: int8 x int8 products summed
     exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
     one d-chunk the query tile is already loaded. ``col_ok`` is read only when ``PARTIAL`` (a whole tile's tokens
     all exist) or ``WHOLE_TILE_MASKS`` (masked loads anyway: faster for some tiles); ``EVEN_D``: d == BLOCK_D, no
-    feature mask (one d-chunk only)."""
+    feature mask (one d-chunk only). ``TMA`` (a whole tile, EVEN_D): the tile is rows ``tma_row + [0, BLOCK_N)`` of
+    the documents' ``[tokens, d]`` tensor descriptor ``D_DESC`` (a bulk copy: no per-thread addresses)."""
     if D_CHUNKS == 1:
         d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
-        if PARTIAL or WHOLE_TILE_MASKS:
+        if TMA:
+            d_tile = D_DESC.load([tma_row, 0])
+        elif PARTIAL or WHOLE_TILE_MASKS:
             d_tile = tl.load(d_ptrs, mask=col_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
         elif EVEN_D:
             d_tile = tl.load(d_ptrs)
@@ -78,7 +82,8 @@ def _tile_similarities(
     PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
-    sc_loaded=None, dm_loaded=None, PRELOADED: tl.constexpr = False,
+    sc_loaded=None, dm_loaded=None, PRELOADED: tl.constexpr = False, D_DESC=None, tma_row=0,
+    TMA: tl.constexpr = False,
 ):
     """The similarities of every row with the document tokens ``n`` (scaled, masked: -inf where a token does not
     count). ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
@@ -87,7 +92,7 @@ def _tile_similarities(
     in_range = n < n_hi
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
-                         WHOLE_TILE_MASKS)
+                         WHOLE_TILE_MASKS, D_DESC, tma_row, TMA)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
         if PARTIAL:
@@ -174,7 +179,7 @@ def _fold_run_tile(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
-    sc_loaded, dm_loaded, PRELOADED: tl.constexpr,
+    sc_loaded, dm_loaded, PRELOADED: tl.constexpr, D_DESC, tma_row, TMA: tl.constexpr,
 ):
     """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
     ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
@@ -183,7 +188,7 @@ def _fold_run_tile(
     s = _tile_similarities(n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
                            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
                            HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D, False,
-                           sc_loaded, dm_loaded, PRELOADED)
+                           sc_loaded, dm_loaded, PRELOADED, D_DESC, tma_row, TMA)
     in_doc = (doc_end - n0).to(tl.int32)      # tokens of this tile that belong to document tj (>= 1)
     # documents of whole tiles: every tile lies in one document (a compile-time True: no runtime branch)
     in_one_doc = True
@@ -241,7 +246,7 @@ def _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, str
 
 @triton.jit
 def maxsim_fwd_kernel(
-    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES,
+    Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES, D_DESC,
     Nq, Lq, d, Ld, K, n_docs, docs_per_program,
     n_qblocks, n_splits, n_dsplits, tokens_per_dsplit,
     stride_qn, stride_ql, stride_qd,
@@ -258,6 +263,7 @@ def maxsim_fwd_kernel(
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
     MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
     WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
+    TMA_DOCS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -342,6 +348,7 @@ def maxsim_fwd_kernel(
             # partial tile per document); only the run's last tile can be partial
             tj = t * docs_per_program
             run_d = tj * stride_dt
+            run_row = tj * Ld                  # the run's first row of the [tokens, d] descriptor (TMA_DOCS)
             run_m = tj * stride_dmt
             zero64 = t * 0                 # int64: a run's token offsets may pass 2^31
             run_len = (zero64 + n_here) * Ld
@@ -372,7 +379,8 @@ def maxsim_fwd_kernel(
                     d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
                     stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
                     False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS)
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS,
+                    D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS)
             if STRADDLE and n_whole * BLOCK_N < run_len:
                 n0 = (zero64 + n_whole) * BLOCK_N
                 m, acc, arg, tj, doc_end = _fold_run_tile(
@@ -380,7 +388,7 @@ def maxsim_fwd_kernel(
                     d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
                     stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
                     True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False)
+                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False, D_DESC, 0, False)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):

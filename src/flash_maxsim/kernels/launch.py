@@ -105,7 +105,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
                DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
-               QUANTIZE_FIRST=False)
+               QUANTIZE_FIRST=False, TMA_DOCS=False)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -125,8 +125,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # loaded a tile ahead (3.32; not on the streaming grid below: 1x10k 32x1030 0.3248 vs 0.3221); the
                 # queries quantised before the launch, so that the tensor cores read the query tile from shared memory
                 # (ncu: 8% of the warps' time went to its per-tile reload into registers) in 165 registers, and 3
-                # programs per SM (3.00; 2 per SM 3.37): 8 waves of 3
-                cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True)
+                # programs per SM (3.00; 2 per SM 3.37): 8 waves of 3; whole document tiles copied by TMA (2.93 vs
+                # 3.04: no per-thread copy addresses, ~45 of ~600 instructions per tile)
+                cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True,
+                           TMA_DOCS=True)
             else:
                 # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
@@ -276,7 +278,12 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
     tau = float(smooth_tau) if smooth else 1.0
     plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
+    # whole tiles of a run of int8 documents copied by the tensor memory accelerator (Hopper; the interpreter runs
+    # descriptors too): a [tokens, d] descriptor with 16-byte aligned rows, int32 row coordinates
+    tma_docs = (flat_run and Ld % cfg["BLOCK_N"] == 0 and quantize_q and bool(cfg["TMA_DOCS"]) and sdd == 1
+                and sdl % 16 == 0 and d == cfg["BLOCK_D"] and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
+        None,    # the documents' tensor descriptor (TMA_DOCS), made per call
         Nq, Lq, d, Ld, max(candidates, 1), T, docs,
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         *q_strides,
@@ -301,7 +308,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         WHOLE_TILE_MASKS=cfg["WHOLE_TILE_MASKS"],
         PREFETCH_TOKENS=flat_run and (document_scales is not None or documents_mask is not None)
         and bool(cfg["PREFETCH_TOKENS"]),
-        Q_QUANTIZED=q_quantized,
+        Q_QUANTIZED=q_quantized, TMA_DOCS=tma_docs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if cfg["MAXNREG"]:
@@ -309,6 +316,24 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     plan.meta_key = tuple(plan.meta.items())
     plan.combine = _combine_plan(n_ds, Nq, C, Lq, smooth_tau) if row_out else None
     return plan
+
+
+# the target's compute capability where no GPU answers (benchmarks/offline_compile.py sets it); None: ask the device
+CAPABILITY_OVERRIDE = None
+
+
+def _tensor_descriptors(queries) -> bool:
+    """Whether this Triton has host tensor descriptors and the device bulk copies (TMA: compute capability 9+;
+    the interpreter emulates them)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if interpreting():
+        return True
+    if CAPABILITY_OVERRIDE is not None:
+        return CAPABILITY_OVERRIDE >= (9, 0)
+    return queries.is_cuda and torch.cuda.get_device_capability(queries.device) >= (9, 0)
 
 
 def _cached_plan(plans: dict, key, build, *args):
@@ -357,7 +382,21 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                scores, aux if aux is not None else dummy,
                document_scales if document_scales is not None else dummy,
                query_scales if query_scales is not None else dummy)
-    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
+    if plan.meta["TMA_DOCS"] and documents.data_ptr() % 16 == 0:
+        # a descriptor per call (it holds the address): Triton's own launch path, whose host cost (~50 us) a
+        # compute-bound kernel of milliseconds does not notice
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        Ld, d = documents.shape[1], documents.shape[2]
+        desc = TensorDescriptor(documents, [documents.shape[0] * Ld, d], [documents.stride(1), 1],
+                                [plan.meta["BLOCK_N"], plan.meta["BLOCK_D"]])
+        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, (desc,) + plan.scalars[1:], plan.meta, cache=False)
+    else:
+        meta, meta_key = plan.meta, plan.meta_key
+        if plan.meta["TMA_DOCS"]:   # a misaligned view: the per-thread copies
+            meta = dict(plan.meta, TMA_DOCS=False)
+            meta_key = tuple(meta.items())
+        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, meta, meta_key,
+                         plan if meta is plan.meta else None)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
