@@ -286,8 +286,8 @@ def test_scale_granularity_experiment_emulates_the_index_exactly(kind, monkeypat
 
 def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkeypatch):
     """Whole int8 tiles come by TMA from a tensor descriptor, which needs a 16-byte aligned base: an index whose
-    values start 1 byte into their storage takes the per-thread copies instead (the plan is the same; the launch
-    switches TMA_DOCS off), with the same scores as the aligned index."""
+    values start 1 byte into their storage takes the per-thread copies instead (a plan of its own, the base's
+    alignment being part of the plan's key), with the same scores as the aligned index."""
     from flash_maxsim.kernels import _launcher, launch
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
@@ -314,8 +314,9 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
     monkeypatch.setattr(_launcher, "launch", record)
     with force_backend("triton"):
         aligned_scores, misaligned_scores = fm.maxsim(q, index), fm.maxsim(q, misaligned)
-    (plan,) = launch._FORWARD_PLANS.values()
-    assert plan.meta["TMA_DOCS"] and plan.meta["FLAT_RUN"]
+    aligned_plan, misaligned_plan = launch._FORWARD_PLANS.values()
+    assert aligned_plan.meta["TMA_DOCS"] and aligned_plan.meta["FLAT_RUN"]
+    assert not misaligned_plan.meta["TMA_DOCS"] and misaligned_plan.meta["FLAT_RUN"]
     assert launched == [True, False]
     want = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64))
     torch.testing.assert_close(aligned_scores.double(), want, rtol=1e-5, atol=1e-5)

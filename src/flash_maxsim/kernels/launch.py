@@ -279,9 +279,11 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     tau = float(smooth_tau) if smooth else 1.0
     plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
     # whole tiles of a run of int8 documents copied by the tensor memory accelerator (Hopper; the interpreter runs
-    # descriptors too): a [tokens, d] descriptor with 16-byte aligned rows, int32 row coordinates
+    # descriptors too): a [tokens, d] descriptor with a 16-byte aligned base and rows (the base's alignment is in
+    # the plan's key), int32 row coordinates
     tma_docs = (flat_run and Ld % cfg["BLOCK_N"] == 0 and quantize_q and bool(cfg["TMA_DOCS"]) and sdd == 1
-                and sdl % 16 == 0 and d == cfg["BLOCK_D"] and T * Ld < 2**31 and _tensor_descriptors(queries))
+                and sdl % 16 == 0 and documents.data_ptr() % 16 == 0 and d == cfg["BLOCK_D"] and T * Ld < 2**31
+                and _tensor_descriptors(queries))
     plan.scalars = (
         None,    # the documents' tensor descriptor (TMA_DOCS), made per call
         Nq, Lq, d, Ld, max(candidates, 1), T, docs,
@@ -360,6 +362,8 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
            None if offsets is None else offsets.shape[0], document_scales is None,
+           # quantized documents: whether TMA can read them (a 16-byte aligned base)
+           document_scales is not None and documents.data_ptr() % 16 == 0,
            candidates, zero_masked, smooth_tau, save_aux, max_len, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(FORWARD_OVERRIDES.items()) if FORWARD_OVERRIDES else None)
@@ -382,21 +386,16 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                scores, aux if aux is not None else dummy,
                document_scales if document_scales is not None else dummy,
                query_scales if query_scales is not None else dummy)
-    if plan.meta["TMA_DOCS"] and documents.data_ptr() % 16 == 0:
+    if plan.meta["TMA_DOCS"]:
         # a descriptor per call (it holds the address): Triton's own launch path, whose host cost (~50 us) a
         # compute-bound kernel of milliseconds does not notice
         from triton.tools.tensor_descriptor import TensorDescriptor
-        Ld, d = documents.shape[1], documents.shape[2]
-        desc = TensorDescriptor(documents, [documents.shape[0] * Ld, d], [documents.stride(1), 1],
+        T, Ld, d = documents.shape
+        desc = TensorDescriptor(documents, [T * Ld, d], [documents.stride(1), 1],
                                 [plan.meta["BLOCK_N"], plan.meta["BLOCK_D"]])
         _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, (desc,) + plan.scalars[1:], plan.meta, cache=False)
     else:
-        meta, meta_key = plan.meta, plan.meta_key
-        if plan.meta["TMA_DOCS"]:   # a misaligned view: the per-thread copies
-            meta = dict(plan.meta, TMA_DOCS=False)
-            meta_key = tuple(meta.items())
-        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, meta, meta_key,
-                         plan if meta is plan.meta else None)
+        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
