@@ -70,7 +70,17 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             # 257 tokens: 5 tiles of 64 for 4.02 tiles of tokens)
             {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}, {"PROGRAMS_PER_SM": 8, "MAXNREG": 128},
             # 40-41: the int8 compute-bound grid's whole document tiles copied by TMA (a tensor descriptor), on or off
-            {"TMA_DOCS": True}, {"TMA_DOCS": False}]
+            {"TMA_DOCS": True}, {"TMA_DOCS": False},
+            # 42-47 (session 12): TMA copies on the bandwidth-bound runs of documents (int8 streaming grid: tiles that
+            # straddle documents; bf16 runs of whole tiles), with deeper pipelines or larger tiles (more bytes in
+            # flight per SM, which TMA gives without registers for addresses)
+            {"TMA_DOCS": True, "num_stages": 4}, {"TMA_DOCS": True, "num_stages": 6},
+            {"TMA_DOCS": True, "BLOCK_N": 128}, {"TMA_DOCS": True, "BLOCK_N": 128, "PROGRAMS_PER_SM": 4},
+            {"TMA_DOCS": True, "PROGRAMS_PER_SM": 4}, {"TMA_DOCS": True, "num_stages": 4, "PROGRAMS_PER_SM": 4},
+            # 48-49: the int8 streaming grid's scales loaded a tile ahead, with the per-thread copies or TMA (TMA frees
+            # the copies' address registers: at the 128-register cap the prefetched loop no longer spills)
+            {"PREFETCH_TOKENS": True}, {"TMA_DOCS": True, "PREFETCH_TOKENS": True}]
+# (session 12's variants 50-54 timed an L2 prefetch of the run's scales, a kernel change not kept: perf-notes)
 
 
 def extract(rev: str, out: str) -> None:
@@ -81,7 +91,8 @@ def extract(rev: str, out: str) -> None:
                           cwd=HERE).stdout.strip()
     names = subprocess.run(["git", "ls-tree", "--name-only", rev, "src/flash_maxsim/kernels/"], capture_output=True,
                            text=True, check=True, cwd=root).stdout.split()
-    for path in names + ["src/flash_maxsim/_layout.py"]:
+    # launch.py imports quantization lazily (queries quantised before the launch)
+    for path in names + ["src/flash_maxsim/_layout.py", "src/flash_maxsim/quantization.py"]:
         text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True,
                               cwd=root).stdout
         rel = os.path.relpath(path, "src/flash_maxsim")
@@ -94,16 +105,51 @@ def extract(rev: str, out: str) -> None:
                             cwd=root).stdout.strip()
     with open(os.path.join(pkg, "REVISION"), "w") as f:
         f.write(rev_id + "\n")
-    print(f"extracted {len(names) + 1} files of {rev} ({rev_id}) into {pkg}")
+    print(f"extracted {len(names) + 2} files of {rev} ({rev_id}) into {pkg}")
+
+
+def host_times(fm, _layout, launch, calls: int = 200) -> None:
+    """Microseconds of host time per scoring call, with and without a TMA descriptor: ``calls`` calls enqueued
+    back to back (fewer than the launch queue holds, so the host never waits for the GPU), timed without a sync,
+    on 1 query x 16 documents 32x128 in runs of 2 documents."""
+    import time
+    for kind in (None, "int8"):
+        q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        docs = torch.randn(16, 128, 128, device="cuda", dtype=torch.bfloat16)
+        if kind:
+            docs = fm.quantize(docs, dtype=kind)
+        p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=None)
+        for tma in (False, True):
+            launch.FORWARD_OVERRIDES.clear()
+            launch.FORWARD_OVERRIDES.update(PROGRAMS_PER_SM=0, DOCS=2, TMA_DOCS=tma)
+
+            def call():
+                return launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
+                                      p.candidates, False, None, False, p.max_length, p.document_scales)[0]
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            us = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()
+            plan = next(reversed(launch._FORWARD_PLANS.values()))
+            print(f"host {kind or 'bf16'} 1x16 32x128 runs of 2, TMA {tma} (plan: {plan.meta['TMA_DOCS']}): "
+                  f"{us:.1f} us per call", flush=True)
+    launch.FORWARD_OVERRIDES.clear()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--extract", nargs=2, metavar=("REV", "DIR"), help="write the baseline package and exit")
     ap.add_argument("--base", help="directory holding flash_maxsim_base (from --extract)")
-    ap.add_argument("--rows", default="", help="only rows whose name contains this text (e.g. int8, 1024x1024)")
+    ap.add_argument("--rows", default="", help="only rows whose name contains one of these comma-separated texts "
+                    "(e.g. int8, 1024x1024)")
     ap.add_argument("--variants", default="", help="indices into VARIANTS, comma-separated (default: all)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--host", action="store_true", help="first, the host time of a launch with and without a TMA "
+                    "descriptor, on a run of documents small enough to be host-bound")
     args = ap.parse_args(argv)
     if args.extract:
         extract(*args.extract)
@@ -122,9 +168,11 @@ def main(argv=None) -> int:
     dev = "cuda"
     variants = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     torch.manual_seed(0)
+    if args.host:
+        host_times(fm, _layout, launch)
     for Nq, B, Lq, Ld, d, kind in ROWS:
         name = f"{kind or 'bf16'} {Nq}x{B} {Lq}x{Ld} d={d}"
-        if args.rows not in name:
+        if not any(r in name for r in args.rows.split(",")):
             continue
         q = torch.randn(Nq, Lq, d, device=dev, dtype=torch.bfloat16)
         docs = torch.randn(B, Ld, d, device=dev, dtype=torch.bfloat16)
@@ -159,6 +207,9 @@ def main(argv=None) -> int:
         ref = statistics.median(times["base"]) if "base" in times else ranked[0][0]
         print(f"ab {name}: " + "  ".join(f"{t:.4f} ({t / ref:.3f}) {k}" for t, k in ranked), flush=True)
         del q, docs, p
+    # a failed direct launch switches every later one to Triton's path (slower on the host, same kernels): say so
+    from flash_maxsim.kernels import _launcher
+    print(f"direct launches: {'on' if _launcher._enabled else 'off (fell back to Triton launches)'}")
     return 0
 
 

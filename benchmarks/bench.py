@@ -905,8 +905,10 @@ def _compressed_check(m: Machine, variant: CompressedVariant, inputs: tuple, exa
     return check
 
 
-def _run_compressed_variant(m: Machine, variant: CompressedVariant, sets, exact, shape, unquantised_bytes) -> dict:
-    """Index-time preparation (untimed), then :func:`run_method` on the prepared inputs."""
+def _run_compressed_variant(m: Machine, variant: CompressedVariant, sets, exact, shape, unquantised_bytes,
+                            keep: Optional[dict] = None) -> dict:
+    """Index-time preparation (untimed), then :func:`run_method` on the prepared inputs. ``keep`` (optional) gets
+    ``variant.name -> (call, prepared inputs)`` of a timed variant, for :func:`interleave_rounds`."""
     try:
         m.sync()
         t0 = time.perf_counter()
@@ -924,13 +926,15 @@ def _run_compressed_variant(m: Machine, variant: CompressedVariant, sets, exact,
     r = run_method(m, variant.call, prepared, _compressed_check(m, variant, prepared[0], exact, shape))
     r.update(prepare_s=prepare_s, index_bytes=index_bytes, bytes_ratio=index_bytes / unquantised_bytes,
              memory_floor_ms=index_bytes / m.copy_bw * 1e3 if m.copy_bw else None)
+    if keep is not None and r.get("ms") is not None:
+        keep[variant.name] = (variant.call, prepared)
     prepared = None
     m.release()
     return r
 
 
 def run_compressed_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0,
-                        skip_variants=()) -> list[dict]:
+                        skip_variants=(), rounds=0) -> list[dict]:
     rows = []
     rates = m.mm8_rates or {}
     for shape in shapes:
@@ -963,26 +967,34 @@ def run_compressed_rows(m: Machine, shapes, method_keys, peers, peer_missing, se
             m.release()
             n_fid = min(B, 64)
             exact = exact_scores(*sets[0], n_fid)
+        calls: dict = {}    # what interleave_rounds times again: each of ours and each peer's chosen variant
         for key in method_keys:
             if m.budget.spent():
                 row["results"][key] = skipped("time budget spent")
                 continue
             if key.startswith("ours_"):
                 variant = ours_compressed_variant(key[len("ours_"):])
-                r = _run_compressed_variant(m, variant, sets, exact, shape, unquantised_bytes)
+                kept: dict = {}
+                r = _run_compressed_variant(m, variant, sets, exact, shape, unquantised_bytes, kept)
                 r["variant"] = variant.name
                 row["results"][key] = r
+                if variant.name in kept:
+                    calls[key] = kept[variant.name]
             else:
                 row["results"][key] = _run_peer_compressed(m, key, peers, peer_missing, sets, exact, shape,
-                                                           unquantised_bytes, skip_variants)
+                                                           unquantised_bytes, skip_variants, calls)
             log.info("    %-14s %s", key, _brief_compressed(row["results"][key]))
-        sets = exact = None  # free this shape's inputs before the next one
+        if not m.budget.spent():
+            interleave_rounds(m, calls, row["results"], rounds)
+        sets = exact = calls = None  # free this shape's inputs (and prepared indexes) before the next one
         m.release()
     return rows
 
 
 def _run_peer_compressed(m, key, peers, peer_missing, sets, exact, shape, unquantised_bytes,
-                         skip_variants=()) -> dict:
+                         skip_variants=(), calls=None) -> dict:
+    """The peer's fastest correct compressed variant; ``calls[key]`` gets that variant's call and prepared inputs
+    (for interleave_rounds)."""
     peer = next((p for p in peers if p.key == key), None)
     if peer is None:
         return skipped(peer_missing.get(key, "not requested"))
@@ -996,16 +1008,19 @@ def _run_peer_compressed(m, key, peers, peer_missing, sets, exact, shape, unquan
         return skipped(f"{peer.label} has no compressed path for {shape.Nq} queries at once")
     if all(any(text in v.name for text in skip_variants) for v in variants):
         return skipped(f"every {peer.label} variant matched --skip-compressed-variants")
-    results = {}
+    results, kept = {}, {}
     for v in variants:
         if any(text in v.name for text in skip_variants):
             continue
         if m.budget.spent():
             results[v.name] = skipped("time budget spent")
             continue
-        results[v.name] = _run_compressed_variant(m, v, sets, exact, shape, unquantised_bytes)
+        results[v.name] = _run_compressed_variant(m, v, sets, exact, shape, unquantised_bytes, kept)
         log.debug("      %s: %s", v.name, _brief_compressed(results[v.name]))
-    return _best_variant(peer, results)
+    best = _best_variant(peer, results)
+    if calls is not None and best["variant"] in kept:
+        calls[key] = kept[best["variant"]]
+    return best
 
 
 def _brief_compressed(r: dict) -> str:
@@ -1640,7 +1655,7 @@ def parse_args(argv=None):
                    help="timed repetitions per measurement on the CPU (default 2; 1 with --interpret)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3,
-                   help="forward and training rows: time ours and the peers again in this many alternating passes "
+                   help="forward, training and compressed-index rows: time ours and the peers again in this many alternating passes "
                         "and report the median (0: one sequential measurement each)")
     p.add_argument("--from-json", type=Path, nargs="+", default=None,
                    help="run nothing: load saved results.json files (several are merged, later sections "
@@ -1708,7 +1723,7 @@ def run(args) -> dict:
             res["roofline"].update(m.mm8_rates)
         res["compressed"] = run_compressed_rows(m, shapes, [k for k in COMPRESSED_METHODS if k.startswith("ours_")]
                                                 + peer_keys, peers, peer_missing, args.seed,
-                                                args.skip_compressed_variants)
+                                                args.skip_compressed_variants, args.rounds)
         if res["compressed"]:
             print("\n".join(compressed_table(res["compressed"])), flush=True)
     if "forward-sweep" in args.sections:

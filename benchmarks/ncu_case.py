@@ -5,8 +5,10 @@
         python3 benchmarks/ncu_case.py int8-1024
 
 Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300).
+An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile).
 """
 
+import json
 import sys
 
 import torch
@@ -17,7 +19,9 @@ CASES = {"int8-1024": (1, 10000, 1024, 1024, True), "int8-300": (1, 10000, 32, 3
          "bf16-64q": (64, 1000, 32, 300, False)}
 
 
-def main(name: str) -> None:
+def main(name: str, overrides: str = "{}") -> None:
+    from flash_maxsim.kernels import launch
+    launch.FORWARD_OVERRIDES.update(json.loads(overrides))
     Nq, B, Lq, Ld, quantized = CASES[name]
     q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16)
     docs = torch.randn(B, Ld, 128, device="cuda", dtype=torch.bfloat16)
@@ -29,4 +33,4 @@ def main(name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "int8-1024")
+    main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("int8-1024")

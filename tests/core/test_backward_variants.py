@@ -184,15 +184,17 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
 
 
 @pytest.mark.parametrize("smooth_tau", [None, 0.3])
-@pytest.mark.parametrize("grouping, docs, groups", [({"DOCS": 3}, 3, 3), ({"PROGRAMS_PER_SM": 2}, 6, 2)])
+@pytest.mark.parametrize("grouping, docs, groups", [({"DOCS": 3, "TMA_DOCS": True}, 3, 3),
+                                                     ({"PROGRAMS_PER_SM": 2}, 6, 2)])
 @pytest.mark.parametrize("Ld", [50, 48, 9])
 def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, groups, Ld, monkeypatch):
     """Several documents per program stream all their tiles in one loop and write each score at its document's
     last tile: 7 documents over programs of 3 (the last program has one), or sized by PROGRAMS_PER_SM (2 per SM
     of 4 SMs: 8 program slots for 7 documents x 3 queries x 2 row tiles, so 6 documents per program, the last
     has one); in 16-token tiles, 50 tokens (tiles that straddle two documents) or 48 (whole tiles), streamed as
-    one run of tokens (FLAT_RUN), or 9 tokens (shorter than a tile: a loop that finds each tile's document), an
-    all-masked document, a second query block and a query longer than one row tile."""
+    one run of tokens (FLAT_RUN; the programs of 3 copy the run's whole tiles by TMA, where there is TMA), or 9
+    tokens (shorter than a tile: a loop that finds each tile's document), an all-masked document, a second query
+    block and a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_sm_count", lambda: 4)
     # the run's mask values loaded a tile ahead (the compute-bound int8 grid's choice) on 50-token documents
@@ -203,6 +205,24 @@ def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, gr
     assert plans and all(p.docs == docs and p.grid == (groups * 3 * 2,) for p in plans)
     assert all(p.meta["FLAT_RUN"] == (Ld >= 16) for p in plans)
     assert all(p.meta["PREFETCH_TOKENS"] == (Ld == 50) for p in plans)
+    tma = grouping.get("TMA_DOCS", False) and (launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0))
+    assert all(p.meta["TMA_DOCS"] == (tma and Ld >= 16) for p in plans)
+
+
+@pytest.mark.parametrize("Ld", [50, 48])
+def test_runs_of_16_bit_documents_copied_by_tma(overrides, Ld, monkeypatch):
+    """bf16 documents in runs of 3 per program, the run's whole tiles copied through a tensor descriptor (TMA on
+    Hopper, emulated by the interpreter): tiles that straddle two documents (50 tokens) or not (48), the run's
+    partial last tile by the threads, masks and an all-masked document; the same scores as the float64
+    reference."""
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=32, DOCS=3, PROGRAMS_PER_SM=0, TMA_DOCS=True)
+    q, docs, qmask, dmask = _masked_padded_problem(2, 13, 7, Ld, 32, 0.8, 0.6, seed=19)
+    _assert_forward_matches_reference(q.bfloat16(), docs.bfloat16(), qmask, dmask, None)
+    plans = list(launch._FORWARD_PLANS.values())
+    tma = launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0)
+    assert plans and all(p.meta["FLAT_RUN"] and p.meta["TMA_DOCS"] == tma and p.meta["STRADDLE"] == (Ld == 50)
+                         for p in plans)
 
 
 def test_flat_run_only_for_contiguous_documents(overrides, monkeypatch):

@@ -117,8 +117,9 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     # 96: the queries quantised before the launch (as that grid does too), the kernel reading their int8 values
     prefetch = layout.startswith("grouped") and d == 64
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
-    # grouped-whole at d = 64: the whole tiles copied through a tensor descriptor (TMA on Hopper)
-    tma = layout == "grouped-whole" and d == 64
+    # grouped at d = 64: the run's whole tiles (straddling two documents or not) copied through a tensor descriptor
+    # (TMA on Hopper)
+    tma = layout.startswith("grouped") and d == 64
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "TMA_DOCS", tma)
     if layout.startswith("grouped"):
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2

@@ -37,16 +37,16 @@ def _constexpr_tail(kernel, n_runtime: int, meta: dict):
         return None
 
 
-def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta_key=None, plan=None,
-           cache: bool = True) -> None:
+def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta_key=None, plan=None) -> None:
     """``kernel[grid](*tensors, *scalars, **meta)``, with the binding cost paid once per specialisation.
     ``meta_key`` (optional) is a hashable stand-in for ``meta``, precomputed by callers that reuse one. ``plan``
     (optional) is an object whose identity fixes ``grid``, ``scalars``, ``meta`` and the tensors' dtypes (a cached
     launch plan): it stands in for all of them in the key, which then hashes a few objects instead of ~60 values
-    (~1.5 us of a small scoring call's host time); the key holds the plan, so its identity is never reused.
-    ``cache=False``: Triton's own launch path (scalars that are not plain values, a tensor descriptor say)."""
+    (~1.5 us of a small scoring call's host time); the key holds the plan, so its identity is never reused. With a
+    plan the scalars are not in the key, so they may include values that are not hashable: a tensor descriptor,
+    which Triton's launcher encodes for the kernel at every launch."""
     global _enabled
-    if not cache or not _enabled or not tensors[0].is_cuda:
+    if not _enabled or not tensors[0].is_cuda:
         kernel[grid](*tensors, *scalars, **meta)
         return
     if plan is not None:

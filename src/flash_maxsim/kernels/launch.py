@@ -278,12 +278,13 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     sqmn, sqml = (queries_mask.stride(0), queries_mask.stride(1)) if queries_mask is not None else (0, 0)
     tau = float(smooth_tau) if smooth else 1.0
     plan.grid = (_cdiv(T, docs) * n_qblocks * n_splits * n_ds,)
-    # whole tiles of a run of int8 documents copied by the tensor memory accelerator (Hopper; the interpreter runs
-    # descriptors too): a [tokens, d] descriptor with a 16-byte aligned base and rows (the base's alignment is in
-    # the plan's key), int32 row coordinates
-    tma_docs = (flat_run and Ld % cfg["BLOCK_N"] == 0 and quantize_q and bool(cfg["TMA_DOCS"]) and sdd == 1
-                and sdl % 16 == 0 and documents.data_ptr() % 16 == 0 and d == cfg["BLOCK_D"] and T * Ld < 2**31
-                and _tensor_descriptors(queries))
+    # the whole tiles of a run of documents (tiles that straddle two documents included: a tile is BLOCK_N
+    # consecutive rows) copied by the tensor memory accelerator (Hopper; the interpreter runs descriptors too): a
+    # [tokens, d] descriptor with a 16-byte aligned base and rows (the base's alignment is in the plan's key), int32
+    # row coordinates; the run's partial last tile keeps the per-thread copies
+    tma_docs = (flat_run and bool(cfg["TMA_DOCS"]) and sdd == 1 and (sdl * documents.element_size()) % 16 == 0
+                and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1 and d == cfg["BLOCK_D"]
+                and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
         None,    # the documents' tensor descriptor (TMA_DOCS), made per call
         Nq, Lq, d, Ld, max(candidates, 1), T, docs,
@@ -362,8 +363,8 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
            None if offsets is None else offsets.shape[0], document_scales is None,
-           # quantized documents: whether TMA can read them (a 16-byte aligned base)
-           document_scales is not None and documents.data_ptr() % 16 == 0,
+           # whether TMA can read the documents (a 16-byte aligned base)
+           documents.data_ptr() % 16 == 0,
            candidates, zero_masked, smooth_tau, save_aux, max_len, device,
            queries.dtype == torch.float32 and torch.get_float32_matmul_precision(),
            tuple(FORWARD_OVERRIDES.items()) if FORWARD_OVERRIDES else None)
@@ -386,16 +387,14 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                scores, aux if aux is not None else dummy,
                document_scales if document_scales is not None else dummy,
                query_scales if query_scales is not None else dummy)
+    scalars = plan.scalars
     if plan.meta["TMA_DOCS"]:
-        # a descriptor per call (it holds the address): Triton's own launch path, whose host cost (~50 us) a
-        # compute-bound kernel of milliseconds does not notice
+        # a descriptor per call (it holds the address; Triton's launcher encodes it for the kernel at each launch)
         from triton.tools.tensor_descriptor import TensorDescriptor
         T, Ld, d = documents.shape
-        desc = TensorDescriptor(documents, [T * Ld, d], [documents.stride(1), 1],
-                                [plan.meta["BLOCK_N"], plan.meta["BLOCK_D"]])
-        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, (desc,) + plan.scalars[1:], plan.meta, cache=False)
-    else:
-        _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
+        scalars = (TensorDescriptor(documents, [T * Ld, d], [documents.stride(1), 1],
+                                    [plan.meta["BLOCK_N"], plan.meta["BLOCK_D"]]),) + scalars[1:]
+    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, scalars, plan.meta, plan.meta_key, plan)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
