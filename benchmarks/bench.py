@@ -1406,6 +1406,23 @@ def compressed_variants_table(rows: list[dict]) -> list[str]:
     return (lines + notes.render()) if count else []
 
 
+def _passes_text(res: dict) -> str:
+    """Which sections' rows were timed again in alternating passes (read from the results themselves: a merged
+    file's sections may come from runs made with and without them)."""
+    passes, names = set(), []
+    for key, name in (("forward", "forward"), ("training", "training"), ("compressed", "compressed-index")):
+        counts = {len(r["ms_rounds"]) for row in res.get(key) or [] for r in row["results"].values()
+                  if isinstance(r, dict) and r.get("ms_rounds")}
+        if counts:
+            names.append(name)
+            passes |= counts
+    if not names:
+        return ""
+    n = "/".join(str(c) for c in sorted(passes))
+    return (f" Rows of the {', '.join(names)} sections: ours and the peers timed again in {n} alternating passes, "
+            "median of the passes.")
+
+
 def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
     meta, roof = res["meta"], res.get("roofline") or {}
     _set_labels(meta)
@@ -1413,9 +1430,7 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
            f"Python {meta['python']}, flash_maxsim at `{meta.get('git_commit') or '?'}`"
            f"{' (uncommitted changes)' if meta.get('git_dirty') else ''}; timer `{meta['timer']}` "
            f"(warmup {meta['warmup_ms']} ms, rep {meta['rep_ms']} ms, median); inputs {meta['dtype']}, "
-           f"random L2-normalised tokens; total {meta.get('elapsed_s', 0):.0f} s."
-           + (f" Forward and training rows: ours and the peers timed again in {meta['rounds']} alternating passes, "
-              "median of the passes." if meta.get("rounds") else ""), ""]
+           f"random L2-normalised tokens; total {meta.get('elapsed_s', 0):.0f} s." + _passes_text(res), ""]
     if meta.get("smoke"):
         out += ["**CPU smoke run: tiny shapes, numbers meaningless; it only shows that every path runs.**", ""]
     if meta.get("peers_missing"):

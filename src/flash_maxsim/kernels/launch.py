@@ -167,7 +167,9 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             cfg["PROGRAMS_PER_SM"] = 8
             # at most 128 registers: 8 programs of 2 warps per SM. The run of documents whose tiles straddle two
             # documents takes 160 otherwise (6 per SM), and is slower than a loop per document at 6 per SM but
-            # faster at 8 (session 10, run 22: 1x10k 32x300 0.1121 vs 0.1136 ms, 32x1030 0.3295 vs 0.3394)
+            # faster at 8 (session 10, run 22: 1x10k 32x300 0.1121 vs 0.1136 ms, 32x1030 0.3295 vs 0.3394).
+            # Not TMA copies (session 12: 0.1112 vs 0.1121, for ~10 us more host time per call: Triton encodes the
+            # descriptor at every launch) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
             cfg["MAXNREG"] = 128
     if (dtype in (torch.bfloat16, torch.float16) and not int8_products and not save_aux and cfg["DSPLIT"] == 1
             and (max_len % cfg["BLOCK_N"] == 0 or cfg["D_CHUNKS"] > 1)):
