@@ -109,10 +109,10 @@ def extract(rev: str, out: str) -> None:
 
 
 def host_times(fm, _layout, launch, calls: int = 200) -> None:
-    """Microseconds of host time per scoring call, with and without a TMA descriptor: ``calls`` calls enqueued
-    back to back (fewer than the launch queue holds, so the host never waits for the GPU), timed without a sync,
-    on 1 query x 16 documents 32x128 in runs of 2 documents."""
-    import time
+    """Microseconds of host time per scoring call, with and without a TMA descriptor (kernel_check.per_call_us:
+    ``calls`` calls back to back, no sync inside the loop), on 1 query x 16 documents 32x128 in runs of 2
+    documents."""
+    from kernel_check import per_call_us
     for kind in (None, "int8"):
         q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
         docs = torch.randn(16, 128, 128, device="cuda", dtype=torch.bfloat16)
@@ -126,14 +126,7 @@ def host_times(fm, _layout, launch, calls: int = 200) -> None:
             def call():
                 return launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
                                       p.candidates, False, None, False, p.max_length, p.document_scales)[0]
-            for _ in range(20):
-                call()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call()
-            us = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
+            us = per_call_us(call, calls)
             plan = next(reversed(launch._FORWARD_PLANS.values()))
             print(f"host {kind or 'bf16'} 1x16 32x128 runs of 2, TMA {tma} (plan: {plan.meta['TMA_DOCS']}): "
                   f"{us:.1f} us per call", flush=True)

@@ -449,6 +449,21 @@ def int8_table(dev):
         del q, index
 
 
+def per_call_us(fn, n=300) -> float:
+    """Microseconds of host time per call of ``fn``: ``n`` calls enqueued back to back after a warm-up, timed
+    without a sync inside the loop (fewer calls than the launch queue holds, so the host never waits for the
+    GPU when the GPU keeps up; benchmarks/ab_forward.py uses it too)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def host_table(dev):
     """Host time per call (Python + launches; no synchronisation inside the loop) next to GPU time (do_bench),
     for the small calls that are launch-bound: what a cached launch plan can still save."""
@@ -457,17 +472,6 @@ def host_table(dev):
     q = torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16)
     docs = torch.randn(1000, 300, 128, device=dev, dtype=torch.bfloat16)
     p = _layout.canonicalize(q, docs)
-
-    def per_call_us(fn, n=300):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        host = (time.perf_counter() - t) / n * 1e6
-        torch.cuda.synchronize()
-        return host
     rows = {
         "maxsim 1x1k 32x300": (lambda: fm.maxsim(q, docs)),
         "canonicalize": (lambda: _layout.canonicalize(q, docs)),

@@ -76,16 +76,17 @@ def _similarity_tile(
 
 
 @triton.jit
-def _token_scales(SCALES, m_base, n, stride_dml, in_range, PARTIAL: tl.constexpr, sc_loaded, PRELOADED: tl.constexpr):
-    """The per-token scales of quantized documents for the tokens ``n`` (0 past the slice's end when ``PARTIAL``;
-    ``sc_loaded`` when the caller loaded them ahead)."""
+def _token_values(PTR, m_base, n, stride_dml, in_range, PARTIAL: tl.constexpr, loaded, PRELOADED: tl.constexpr):
+    """One value per document token for the tokens ``n`` (the scales of quantized documents, or the documents'
+    mask; both in the mask's layout): 0 past the slice's end when ``PARTIAL``; ``loaded`` when the caller loaded
+    them ahead (``PRELOADED``)."""
     if PARTIAL:
-        sc = tl.load(SCALES + m_base + n * stride_dml, mask=in_range, other=0.0)
+        v = tl.load(PTR + m_base + n * stride_dml, mask=in_range, other=0)
     elif PRELOADED:
-        sc = sc_loaded
+        v = loaded
     else:
-        sc = tl.load(SCALES + m_base + n * stride_dml)
-    return sc
+        v = tl.load(PTR + m_base + n * stride_dml)
+    return v
 
 
 @triton.jit
@@ -109,22 +110,22 @@ def _tile_similarities(
         # session 12: loaded after them, 38% of the int8 streaming grid's stall samples waited on the scales; before
         # them, 1x10k 32x300 0.1106 vs 0.1120 ms). Not for converted documents (fp8 1024x1024 5.83 vs 5.48 ms) nor
         # for the mask values (the masked kernels' registers change, e.g. 72 -> 98: untimed)
-        sc = _token_scales(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
+        sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
                          WHOLE_TILE_MASKS, D_DESC, tma_row, TMA)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
         if not QUANTIZE_Q:
-            sc = _token_scales(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
+            sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
         s = s * sc[None, :]
     if QUANTIZE_Q and SMOOTH:
         # quantized queries: the hard max applies the (non-negative) row scale once at the end; the smooth max
         # needs the true similarities in its exponentials
         s = s * q_scale[:, None]
     if HAS_DMASK:
+        dm = _token_values(DMASK, m_base, n, stride_dml, in_range, PARTIAL, dm_loaded, PRELOADED)
         if PARTIAL:
-            dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
             valid = in_range & (dm != 0)
             if ZERO_MASKED:
                 # masked tokens inside the document count as similarity 0; tokens past its end do not exist
@@ -132,10 +133,7 @@ def _tile_similarities(
             else:
                 s = tl.where(valid[None, :], s, float("-inf"))
         else:
-            if PRELOADED:
-                valid = dm_loaded != 0
-            else:
-                valid = tl.load(DMASK + m_base + n * stride_dml) != 0
+            valid = dm != 0
             if ZERO_MASKED:
                 s = tl.where(valid[None, :], s, 0.0)
             else:
