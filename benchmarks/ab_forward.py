@@ -79,8 +79,17 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"TMA_DOCS": True, "PROGRAMS_PER_SM": 4}, {"TMA_DOCS": True, "num_stages": 4, "PROGRAMS_PER_SM": 4},
             # 48-49: the int8 streaming grid's scales loaded a tile ahead, with the per-thread copies or TMA (TMA frees
             # the copies' address registers: at the 128-register cap the prefetched loop no longer spills)
-            {"PREFETCH_TOKENS": True}, {"TMA_DOCS": True, "PREFETCH_TOKENS": True}]
-# (session 12's variants 50-54 timed an L2 prefetch of the run's scales, a kernel change not kept: perf-notes)
+            {"PREFETCH_TOKENS": True}, {"TMA_DOCS": True, "PREFETCH_TOKENS": True},
+            # 50-53 (session 13): d=96 (and any d < BLOCK_D) in runs of documents at 8 or 16 programs per SM, whole
+            # tiles copied by TMA, which fills the features d..BLOCK_D with zeros (no feature mask, no per-thread
+            # addresses)
+            {"TMA_DOCS": True, "PROGRAMS_PER_SM": 8, "MAXNREG": 128}, {"TMA_DOCS": True, "PROGRAMS_PER_SM": 8},
+            {"TMA_DOCS": True, "PROGRAMS_PER_SM": 16, "MAXNREG": 128},
+            {"TMA_DOCS": True, "PROGRAMS_PER_SM": 8, "MAXNREG": 128, "num_stages": 4},
+            # 54-55: 8 warps on the 1x1k 128-row runs of whole tiles, with TMA copies or 4 stages
+            {"num_warps": 8, "TMA_DOCS": True}, {"num_warps": 8, "num_stages": 4}]
+# (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
+# document tiles loaded under a gate on their scales; docs/perf-notes.md)
 
 
 def extract(rev: str, out: str) -> None:

@@ -1444,7 +1444,9 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
         r = run.get("roofline") or {}
         ceilings = (f" (its ceilings: {_rate(r['copy_bw_Bps'], 'B/s')}, {_rate(r['bf16_mm_flops'], 'FLOP/s')}"
                     f"{_mm8_text(r, bold=False)})" if r else "")
-        out += [f"Sections {', '.join(run['sections'])} come from a second run of {run['date']}{ceilings}; "
+        code = (f", flash_maxsim at `{run['git_commit']}`{' (uncommitted changes)' if run.get('git_dirty') else ''}"
+                if run.get("git_commit") else "")
+        out += [f"Sections {', '.join(run['sections'])} come from another run, of {run['date']}{code}{ceilings}; "
                 "their floors use that run's ceilings.", ""]
     if res.get("forward"):
         out += ["### Forward: time (ms, median)", ""] + forward_table(res["forward"]) + [""]
@@ -1634,7 +1636,8 @@ def merge_results(paths: list[Path]) -> dict:
                 res[key] = other[key]
         res["meta"].setdefault("merged_runs", []).append(
             {"date": other["meta"]["date"], "sections": [k for k in RESULT_KEYS if other.get(k)],
-             "roofline": other.get("roofline"), "elapsed_s": other["meta"].get("elapsed_s")})
+             "roofline": other.get("roofline"), "elapsed_s": other["meta"].get("elapsed_s"),
+             "git_commit": other["meta"].get("git_commit"), "git_dirty": other["meta"].get("git_dirty")})
     return res
 
 

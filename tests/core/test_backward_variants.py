@@ -209,20 +209,37 @@ def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, gr
     assert all(p.meta["TMA_DOCS"] == (tma and Ld >= 16) for p in plans)
 
 
-@pytest.mark.parametrize("Ld", [50, 48])
-def test_runs_of_16_bit_documents_copied_by_tma(overrides, Ld, monkeypatch):
+@pytest.mark.parametrize("Ld, d", [(50, 32), (48, 32), (50, 24)])
+def test_runs_of_16_bit_documents_copied_by_tma(overrides, Ld, d, monkeypatch):
     """bf16 documents in runs of 3 per program, the run's whole tiles copied through a tensor descriptor (TMA on
-    Hopper, emulated by the interpreter): tiles that straddle two documents (50 tokens) or not (48), the run's
-    partial last tile by the threads, masks and an all-masked document; the same scores as the float64
-    reference."""
+    Hopper, emulated by the interpreter): tiles that straddle two documents (50 tokens) or not (48), features
+    padded to the tile (d = 24 in 32: the copy fills them with zeros), the run's partial last tile by the threads,
+    masks and an all-masked document; the same scores as the float64 reference."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=32, DOCS=3, PROGRAMS_PER_SM=0, TMA_DOCS=True)
-    q, docs, qmask, dmask = _masked_padded_problem(2, 13, 7, Ld, 32, 0.8, 0.6, seed=19)
+    q, docs, qmask, dmask = _masked_padded_problem(2, 13, 7, Ld, d, 0.8, 0.6, seed=19)
     _assert_forward_matches_reference(q.bfloat16(), docs.bfloat16(), qmask, dmask, None)
     plans = list(launch._FORWARD_PLANS.values())
     tma = launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0)
     assert plans and all(p.meta["FLAT_RUN"] and p.meta["TMA_DOCS"] == tma and p.meta["STRADDLE"] == (Ld == 50)
-                         for p in plans)
+                         and p.meta["BLOCK_D"] == 32 and p.meta["EVEN_D"] == (d == 32) for p in plans)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_default_runs_of_128_rows_on_8_warps(overrides, tma, monkeypatch):
+    """One query of 128 tokens against documents of whole tiles, with the default plan (grid sized as on 4 SMs):
+    runs of several documents per program on 8 warps, copied by the threads or (an option) by TMA (Hopper; the
+    interpreter emulates it), masks and an all-masked document; the same scores as the float64 reference."""
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
+    if tma:
+        overrides.FORWARD_OVERRIDES.update(TMA_DOCS=True)
+    q, docs, qmask, dmask = _masked_padded_problem(1, 128, 24, 64, 32, 0.8, 0.6, seed=23)
+    _assert_forward_matches_reference(q.bfloat16(), docs.bfloat16(), qmask, dmask, None)
+    plans = list(launch._FORWARD_PLANS.values())
+    tma = tma and (launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0))
+    assert plans and all(p.docs == 3 and p.meta["FLAT_RUN"] and p.meta["num_warps"] == 8
+                         and p.meta["TMA_DOCS"] == tma for p in plans)
 
 
 def test_flat_run_only_for_contiguous_documents(overrides, monkeypatch):

@@ -177,7 +177,8 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 24 (compute-bound: long
     queries over many documents, 3 resident per SM), each program scoring an equal share of the documents; 16-bit
     documents 2 per SM where they are whole tiles (or their features are chunked), else one per program, and so do
-    int8 ones too few to share."""
+    int8 ones too few to share; 16-bit documents with padded features 8 per SM in tiles that straddle them;
+    128-row programs over runs of 16-bit whole tiles on 8 warps."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
     monkeypatch.setattr(launch, "CAPABILITY_OVERRIDE", (9, 0))
 
@@ -191,7 +192,18 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert programs_per_sm(1, 10000, 32, 180, 384, False, False, torch.bfloat16, False) == 2   # 3 feature chunks
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, True, torch.bfloat16, False) == 0  # training
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.float32, False) == 0
-    assert programs_per_sm(1, 5000, 31, 257, 96, False, False, torch.bfloat16, False) == 0
+    # features padded to the tile (d=96 in 128) in tiles that straddle documents: 8 runs per SM in 128 registers,
+    # copied by the threads (TMA is an option)
+    cfg = launch.forward_config(1, 5000, 31, 257, 96, False, False, torch.bfloat16, False)
+    assert cfg["PROGRAMS_PER_SM"] == 8 and cfg["MAXNREG"] == 128 and not cfg["TMA_DOCS"] and cfg["BLOCK_D"] == 128
+    assert programs_per_sm(1, 5000, 31, 256, 96, False, False, torch.bfloat16, False) == 2      # whole tiles
+    # 128-row programs over runs of whole tiles: 8 warps; 32-row (streaming) ones keep 2 warps
+    cfg = launch.forward_config(1, 1000, 128, 1024, 128, False, False, torch.bfloat16, False)
+    assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 8 and not cfg["TMA_DOCS"]
+    cfg = launch.forward_config(1, 1000, 32, 1024, 128, False, False, torch.bfloat16, False)
+    assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 2 and not cfg["TMA_DOCS"]
+    assert programs_per_sm(1, 5000, 31, 257, 128, False, False, torch.bfloat16, False) == 0     # d = BLOCK_D
+    assert programs_per_sm(1, 50, 31, 257, 96, False, False, torch.bfloat16, False) == 0        # few tokens
     assert programs_per_sm(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True) == 0
 
     def plan(B, Lq, Ld):

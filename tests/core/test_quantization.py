@@ -69,7 +69,8 @@ def test_other_layouts_and_smooth(backend, layout):
     ("padded", 40, None, "exclude"), ("padded", 40, None, "zero"), ("padded", 96, 0.2, "zero"),
     ("padded", 256, None, "exclude"), ("candidates", 40, 0.2, "exclude"), ("ragged", 40, None, "zero"),
     ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero"), ("grouped", 40, None, "zero"),
-    ("grouped", 64, 0.2, "exclude"), ("grouped-whole", 64, None, "zero"), ("grouped-whole", 32, 0.2, "exclude")])
+    ("grouped", 64, 0.2, "exclude"), ("grouped-whole", 64, None, "zero"), ("grouped-whole", 32, 0.2, "exclude"),
+    ("grouped", 48, None, "exclude")])
 def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch, seed):
     """int8 x int8 tensor-core products (kernels.launch.int8_products): the kernel quantises each query token
     exactly as quantization.quantize_tokens quantises a document token (ties included), the integer sums are
@@ -117,9 +118,9 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     # 96: the queries quantised before the launch (as that grid does too), the kernel reading their int8 values
     prefetch = layout.startswith("grouped") and d == 64
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
-    # grouped at d = 64: the run's whole tiles (straddling two documents or not) copied through a tensor descriptor
-    # (TMA on Hopper)
-    tma = layout.startswith("grouped") and d == 64
+    # grouped at d = 48 and 64: the run's whole tiles (straddling two documents or not) copied through a tensor
+    # descriptor (TMA on Hopper; at d = 48 its 64-feature blocks arrive with features 48-63 zero-filled)
+    tma = layout.startswith("grouped") and d in (48, 64)
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "TMA_DOCS", tma)
     if layout.startswith("grouped"):
         monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2

@@ -39,8 +39,9 @@ def _similarity_tile(
     exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
     one d-chunk the query tile is already loaded. ``col_ok`` is read only when ``PARTIAL`` (a whole tile's tokens
     all exist) or ``WHOLE_TILE_MASKS`` (masked loads anyway: faster for some tiles); ``EVEN_D``: d == BLOCK_D, no
-    feature mask (one d-chunk only). ``TMA`` (a whole tile, EVEN_D): the tile is rows ``tma_row + [0, BLOCK_N)`` of
-    the documents' ``[tokens, d]`` tensor descriptor ``D_DESC`` (a bulk copy: no per-thread addresses)."""
+    feature mask (one d-chunk only). ``TMA`` (a whole tile): the tile is rows ``tma_row + [0, BLOCK_N)`` of the
+    documents' ``[tokens, d]`` tensor descriptor ``D_DESC`` (a bulk copy: no per-thread addresses; the features past
+    d, when d < BLOCK_D, arrive as zeros)."""
     if D_CHUNKS == 1:
         d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
         if TMA:

@@ -156,6 +156,14 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # 32x1024 0.0746 vs 0.0762, d=96 0.0817 vs 0.0896). Not below ~0.5M streamed tokens (1x1k 32x300:
             # 0.0501 vs 0.0457) and not for d > 256 (d=384: 0.49 vs 0.37)
             cfg["num_warps"] = 2
+            if (dtype in (torch.bfloat16, torch.float16) and not int8_products and cfg["D_CHUNKS"] == 1
+                    and d < cfg["BLOCK_D"] and max_len % cfg["BLOCK_N"] != 0):
+                # features padded to the tile (d=96 in 128): runs of documents (no partial tile per document) at 8
+                # programs per SM in 128 registers (session 13, 1x5k 31x257 d=96 against 0.0817 ms: 0.0804; 16 per
+                # SM 0.0865, no register cap 0.0827). Copying their whole tiles by TMA (which zero-fills the features
+                # past d) read 0.0791, but a descriptor costs ~9 us of host time per call (session 12), more than the
+                # 1.3 us it saves a synchronous call: an option (TMA_DOCS), not the default
+                cfg.update(PROGRAMS_PER_SM=8, MAXNREG=128)
         if int8_products:
             # several documents per program: the query tile loaded and quantised once for all of them (session 5,
             # 4 per program: 1x10k 32x300 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394), as many as make 8 programs
@@ -179,6 +187,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # vs 0.375; 4 per SM within 1% except 128x1024, 0.0778). Not where tiles would straddle documents: 1x10k
         # 32x300 0.189 vs 0.181, 32x1030 0.603 vs 0.579, d=96 0.115 vs 0.082
         cfg["PROGRAMS_PER_SM"] = 2
+        if tokb * qpb == 128 and cfg["num_warps"] == 4:
+            # 128-row programs on 8 warps (session 13, 1x1k 128x1024 in 7 interleaved rounds: 0.0749 against 0.0764
+            # ms; with TMA copies 0.0743, not worth a descriptor's ~9 us of host time per call; 4 stages 0.0747)
+            cfg["num_warps"] = 8
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -283,9 +295,10 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # the whole tiles of a run of documents (tiles that straddle two documents included: a tile is BLOCK_N
     # consecutive rows) copied by the tensor memory accelerator (Hopper; the interpreter runs descriptors too): a
     # [tokens, d] descriptor with a 16-byte aligned base and rows (the base's alignment is in the plan's key), int32
-    # row coordinates; the run's partial last tile keeps the per-thread copies
+    # row coordinates, blocks of [BLOCK_N, BLOCK_D] (features past d arrive as zeros); the run's partial last tile
+    # keeps the per-thread copies
     tma_docs = (flat_run and bool(cfg["TMA_DOCS"]) and sdd == 1 and (sdl * documents.element_size()) % 16 == 0
-                and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1 and d == cfg["BLOCK_D"]
+                and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1
                 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
         None,    # the documents' tensor descriptor (TMA_DOCS), made per call
