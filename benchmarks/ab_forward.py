@@ -117,6 +117,46 @@ def extract(rev: str, out: str) -> None:
     print(f"extracted {len(names) + 2} files of {rev} ({rev_id}) into {pkg}")
 
 
+def forward_scores(lm, p):
+    """Scores of the canonical problem ``p`` (``_layout.canonicalize``) through ``lm.forward`` (a ``kernels.launch``
+    module: this checkout's or the baseline's)."""
+    return lm.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
+                      False, None, False, p.max_length, p.document_scales)[0]
+
+
+def time_interleaved(entries, want, rounds: int) -> dict:
+    """``label -> [ms per round]`` for ``entries`` of ``(label, call, before)``, timed in interleaved rounds
+    (``triton.testing.do_bench`` medians). ``before`` (or None) runs ahead of each entry's check and timing (e.g.
+    sets its overrides). Each round first checks the entry's scores against ``want`` (relative 1e-5); an entry that
+    fails, does not compile or does not fit is timed as inf under a label that names the error, and the sweep goes
+    on."""
+    import triton.testing
+    times: dict = {}
+    for _ in range(rounds):
+        for label, call, before in entries:
+            if before is not None:
+                before()
+            try:
+                got = call()
+                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                if not err <= 1e-5:
+                    raise AssertionError(f"scores differ from the first entry's (relative {err:.1e})")
+                t = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
+            except Exception as exc:
+                t = float("inf")
+                label = f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"
+            times.setdefault(label, []).append(t)
+    return times
+
+
+def ranked_line(times: dict, ref_label: str) -> str:
+    """The entries' medians, fastest first, each with its ratio to ``ref_label``'s (to the fastest's if that entry
+    failed)."""
+    ranked = sorted((statistics.median(v), k) for k, v in times.items())
+    ref = statistics.median(times[ref_label]) if ref_label in times else ranked[0][0]
+    return "  ".join(f"{t:.4f} ({t / ref:.3f}) {k}" for t, k in ranked)
+
+
 def host_times(fm, _layout, launch, calls: int = 200) -> None:
     """Microseconds of host time per scoring call, with and without a TMA descriptor (kernel_check.per_call_us:
     ``calls`` calls back to back, no sync inside the loop), on 1 query x 16 documents 32x128 in runs of 2
@@ -131,11 +171,7 @@ def host_times(fm, _layout, launch, calls: int = 200) -> None:
         for tma in (False, True):
             launch.FORWARD_OVERRIDES.clear()
             launch.FORWARD_OVERRIDES.update(PROGRAMS_PER_SM=0, DOCS=2, TMA_DOCS=tma)
-
-            def call():
-                return launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
-                                      p.candidates, False, None, False, p.max_length, p.document_scales)[0]
-            us = per_call_us(call, calls)
+            us = per_call_us(lambda: forward_scores(launch, p), calls)
             plan = next(reversed(launch._FORWARD_PLANS.values()))
             print(f"host {kind or 'bf16'} 1x16 32x128 runs of 2, TMA {tma} (plan: {plan.meta['TMA_DOCS']}): "
                   f"{us:.1f} us per call", flush=True)
@@ -156,8 +192,6 @@ def main(argv=None) -> int:
     if args.extract:
         extract(*args.extract)
         return 0
-    import triton.testing
-
     import flash_maxsim as fm
     from flash_maxsim import _layout
     from flash_maxsim.kernels import launch
@@ -172,6 +206,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     if args.host:
         host_times(fm, _layout, launch)
+
+    def set_overrides(v):
+        launch.FORWARD_OVERRIDES.clear()
+        launch.FORWARD_OVERRIDES.update(v)
     for Nq, B, Lq, Ld, d, kind in ROWS:
         name = f"{kind or 'bf16'} {Nq}x{B} {Lq}x{Ld} d={d}"
         if not any(r in name for r in args.rows.split(",")):
@@ -182,32 +220,13 @@ def main(argv=None) -> int:
             docs = fm.quantize(docs, dtype=kind)
         p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=None)
 
-        def call(lm):
-            return lm.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
-                              False, None, False, p.max_length, p.document_scales)[0]
-
-        entries = [("base", base_launch, {})] if base_launch else []
-        entries += [("new " + (str(v) if v else "default"), launch, v) for v in variants]
-        want = call(base_launch or launch)
-        times: dict = {}
-        for _ in range(args.rounds):
-            for label, lm, v in entries:
-                launch.FORWARD_OVERRIDES.clear()
-                launch.FORWARD_OVERRIDES.update(v)
-                try:
-                    got = call(lm)
-                    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-                    if err > 1e-5:
-                        raise AssertionError(f"scores differ from the first entry's (relative {err:.1e})")
-                    t = triton.testing.do_bench(lambda: call(lm), warmup=10, rep=50, return_mode="median")
-                except Exception as exc:   # a variant that does not compile or fit: recorded, the sweep goes on
-                    t = float("inf")
-                    label = f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"
-                times.setdefault(label, []).append(t)
+        entries = [("base", lambda: forward_scores(base_launch, p), lambda: set_overrides({}))] if base_launch else []
+        entries += [("new " + (str(v) if v else "default"), lambda: forward_scores(launch, p),
+                     lambda v=v: set_overrides(v)) for v in variants]
+        want = forward_scores(base_launch or launch, p)
+        times = time_interleaved(entries, want, args.rounds)
         launch.FORWARD_OVERRIDES.clear()
-        ranked = sorted((statistics.median(v), k) for k, v in times.items())
-        ref = statistics.median(times["base"]) if "base" in times else ranked[0][0]
-        print(f"ab {name}: " + "  ".join(f"{t:.4f} ({t / ref:.3f}) {k}" for t, k in ranked), flush=True)
+        print(f"ab {name}: {ranked_line(times, 'base')}", flush=True)
         del q, docs, p
     # a failed direct launch switches every later one to Triton's path (slower on the host, same kernels): say so
     from flash_maxsim.kernels import _launcher

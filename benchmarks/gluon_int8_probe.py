@@ -21,7 +21,6 @@ Triton kernel's; 1x10k 1024x1024 3.00-3.31 ms against 2.89-2.99 in every configu
 """
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -210,9 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=len(ROWS), help="the first N rows of ROWS")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    import triton.testing
-
     import flash_maxsim as fm
+    from ab_forward import forward_scores, ranked_line, time_interleaved
     from flash_maxsim import _layout
     from flash_maxsim.kernels import launch
     from flash_maxsim.quantization import quantize_tokens
@@ -221,33 +219,15 @@ def main(argv=None) -> int:
         q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16)
         docs = torch.randn(B, Ld, 128, device="cuda", dtype=torch.bfloat16)
         p = _layout.canonicalize(q, fm.quantize(docs, dtype="int8"), None, None, masked="exclude", smooth_tau=None)
-
-        def ours():
-            return launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
-                                  False, None, False, p.max_length, p.document_scales)[0]
-        want = ours()
+        want = forward_scores(launch, p)
         qv, qs = quantize_tokens(p.queries)
         dv, ds = p.documents, p.document_scales.contiguous()
-        entries = [("triton (package)", ours)]
+        entries = [("triton (package)", lambda: forward_scores(launch, p), None)]
         for v in VARIANTS:
             name = "gluon pps={} nbuf={} maxnreg={} warps={} sep={} bm={} half={}".format(*v)
-            entries.append((name, lambda v=v: gluon_scores(qv, qs, dv, ds, *v)))
-        times: dict = {}
-        for r in range(args.rounds):
-            for name, fn in entries:
-                try:
-                    if r == 0:
-                        err = ((fn() - want).abs().max() / want.abs().max()).item()
-                        if not err < 1e-5:
-                            raise AssertionError(f"scores differ from the package's (relative {err:.1e})")
-                    t = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                except Exception as exc:   # a variant that does not compile or fit: recorded, the sweep goes on
-                    t = float("inf")
-                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                times.setdefault(name, []).append(t)
-        base = statistics.median(times["triton (package)"])
-        ranked = sorted((statistics.median(v), k) for k, v in times.items())
-        print(f"probe {Nq}x{B} {Lq}x{Ld}: " + "  ".join(f"{t:.4f} ({t / base:.3f}) {k}" for t, k in ranked), flush=True)
+            entries.append((name, lambda v=v: gluon_scores(qv, qs, dv, ds, *v), None))
+        times = time_interleaved(entries, want, args.rounds)
+        print(f"probe {Nq}x{B} {Lq}x{Ld}: {ranked_line(times, 'triton (package)')}", flush=True)
     return 0
 
 
