@@ -2,12 +2,25 @@
 forward + backward (hard/smooth, masks, in-batch, per-query candidates, ragged/packed, long query split,
 document-token split) and quantized scoring (also with int8 x int8 products). Prints one line per case; exit 1 on a wrong result."""
 
+import contextlib
 import sys
 
 import torch
 
 import flash_maxsim as fm
 from flash_maxsim import reference
+from flash_maxsim.kernels import launch
+
+
+@contextlib.contextmanager
+def forward_overrides(**knobs):
+    """``launch.FORWARD_OVERRIDES`` with ``knobs`` for the block (a path forced at these sizes), then without them."""
+    launch.FORWARD_OVERRIDES.update(knobs)
+    try:
+        yield
+    finally:
+        for knob in knobs:
+            launch.FORWARD_OVERRIDES.pop(knob)
 
 
 def main():
@@ -54,38 +67,25 @@ def main():
         # runs of several documents per program (the default for 16-bit documents of whole tiles or chunked
         # features): whole 64-token tiles with a mask, smooth; d = 384 (3 feature chunks) whose 128-token tiles
         # straddle 180-token documents
-        from flash_maxsim.kernels import launch
         runs = torch.randn(11, 256, 128, device=dev, dtype=bf)
         runs_mask = torch.rand(11, 256, device=dev) > 0.3
         wide_q, wide = torch.randn(1, 32, 384, device=dev, dtype=bf), torch.randn(11, 180, 384, device=dev, dtype=bf)
-        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0)
-        try:
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
             got_runs = fm.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1)
             got_wide = fm.maxsim(wide_q, wide)
-        finally:
-            launch.FORWARD_OVERRIDES.pop("DOCS")
-            launch.FORWARD_OVERRIDES.pop("PROGRAMS_PER_SM")
         check("runs of documents, whole tiles, smooth", got_runs,
               reference.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1), 1e-5)
         check("runs of documents, d=384 straddling", got_wide, reference.maxsim(wide_q, wide), 1e-5)
         # d = 96 (features padded to 128) in runs whose tiles straddle documents, whole tiles copied by TMA with
         # the padded features zero-filled (an option; the runs are the default for such streaming rows)
         q96, d96 = torch.randn(1, 31, 96, device=dev, dtype=bf), torch.randn(11, 257, 96, device=dev, dtype=bf)
-        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True, MAXNREG=128)
-        try:
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True, MAXNREG=128):
             got96 = fm.maxsim(q96, d96)
-        finally:
-            for knob in ("DOCS", "PROGRAMS_PER_SM", "TMA_DOCS", "MAXNREG"):
-                launch.FORWARD_OVERRIDES.pop(knob)
         check("runs of documents, d=96 by TMA", got96, reference.maxsim(q96, d96), 1e-5)
         # 128 query rows against runs of whole tiles: 8 warps (the default there), TMA copies (an option), masked
         q128, qm128 = torch.randn(1, 128, 128, device=dev, dtype=bf), torch.rand(1, 128, device=dev) > 0.2
-        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True)
-        try:
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True):
             got128 = fm.maxsim(q128, runs, qm128, runs_mask)
-        finally:
-            for knob in ("DOCS", "PROGRAMS_PER_SM", "TMA_DOCS"):
-                launch.FORWARD_OVERRIDES.pop(knob)
         check("runs of documents, 128 rows on 8 warps by TMA", got128, reference.maxsim(q128, runs, qm128, runs_mask),
               1e-5)
         qd = fm.quantize(d.detach(), dm)
@@ -93,11 +93,8 @@ def main():
         from flash_maxsim.quantization import queries_as_scored
         check("int8 x int8", fm.maxsim(q.detach(), qd, qm),
               reference.maxsim(queries_as_scored(q.detach(), qd).double(), qd.dequantize(torch.float64), qm, dm), 1e-5)
-        launch.FORWARD_OVERRIDES["INT8_PRODUCTS"] = False
-        try:
+        with forward_overrides(INT8_PRODUCTS=False):
             got = fm.maxsim(q.detach(), qd, qm)
-        finally:
-            launch.FORWARD_OVERRIDES.pop("INT8_PRODUCTS")
         check("int8 converted", got, reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
         # 4 documents per program (forced: the default's grid of 8 programs per SM leaves one document per program
         # at this size): the bandwidth-bound
@@ -109,13 +106,9 @@ def main():
         # whole 64-token tiles with a mask: the loop over one contiguous run of tokens (FLAT_RUN)
         whole_mask = torch.rand(11, 256, device=dev) > 0.3
         whole = fm.quantize(torch.randn(11, 256, 128, device=dev, dtype=bf), whole_mask)
-        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0)
-        try:
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
             grouped, grouped_split = fm.maxsim(q2[:1], index), fm.maxsim(long_q16, narrow)
             grouped_whole = fm.maxsim(q2[:1], whole)
-        finally:
-            launch.FORWARD_OVERRIDES.pop("DOCS")
-            launch.FORWARD_OVERRIDES.pop("PROGRAMS_PER_SM")
         check("int8 grouped", grouped,
               reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
         check("int8 grouped, whole tiles", grouped_whole,
@@ -127,14 +120,9 @@ def main():
         # 128-token tiles (whole, masked, copied by TMA; and straddling documents) with scales and mask loaded a
         # tile ahead, 168 registers
         long_q, long_qm = torch.randn(2, 200, 128, device=dev, dtype=bf), torch.rand(2, 200, device=dev) > 0.2
-        launch.FORWARD_OVERRIDES.update(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True,
-                                        PREFETCH_TOKENS=True, MAXNREG=168, TMA_DOCS=True)
-        try:
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                               MAXNREG=168, TMA_DOCS=True):
             compute_whole, compute_straddling = fm.maxsim(long_q, whole, long_qm), fm.maxsim(long_q, index, long_qm)
-        finally:
-            for knob in ("DOCS", "PROGRAMS_PER_SM", "BLOCK_N", "QUANTIZE_FIRST", "PREFETCH_TOKENS", "MAXNREG",
-                         "TMA_DOCS"):
-                launch.FORWARD_OVERRIDES.pop(knob)
         check("int8 compute-bound grid, whole tiles", compute_whole,
               reference.maxsim(queries_as_scored(long_q, whole).double(), whole.dequantize(torch.float64), long_qm,
                                whole_mask), 1e-5)
