@@ -157,10 +157,10 @@ def ranked_line(times: dict, ref_label: str) -> str:
     return "  ".join(f"{t:.4f} ({t / ref:.3f}) {k}" for t, k in ranked)
 
 
-def host_times(fm, _layout, launch, calls: int = 200) -> None:
+def host_times(fm, _layout, launches, calls: int = 200) -> None:
     """Microseconds of host time per scoring call, with and without a TMA descriptor (kernel_check.per_call_us:
     ``calls`` calls back to back, no sync inside the loop), on 1 query x 16 documents 32x128 in runs of 2
-    documents."""
+    documents, through each ``(label, kernels.launch module)`` of ``launches`` (the baseline's, this checkout's)."""
     from kernel_check import per_call_us
     for kind in (None, "int8"):
         q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -169,13 +169,14 @@ def host_times(fm, _layout, launch, calls: int = 200) -> None:
             docs = fm.quantize(docs, dtype=kind)
         p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=None)
         for tma in (False, True):
-            launch.FORWARD_OVERRIDES.clear()
-            launch.FORWARD_OVERRIDES.update(PROGRAMS_PER_SM=0, DOCS=2, TMA_DOCS=tma)
-            us = per_call_us(lambda: forward_scores(launch, p), calls)
-            plan = next(reversed(launch._FORWARD_PLANS.values()))
-            print(f"host {kind or 'bf16'} 1x16 32x128 runs of 2, TMA {tma} (plan: {plan.meta['TMA_DOCS']}): "
-                  f"{us:.1f} us per call", flush=True)
-    launch.FORWARD_OVERRIDES.clear()
+            for label, launch in launches:
+                launch.FORWARD_OVERRIDES.clear()
+                launch.FORWARD_OVERRIDES.update(PROGRAMS_PER_SM=0, DOCS=2, TMA_DOCS=tma)
+                us = per_call_us(lambda: forward_scores(launch, p), calls)
+                plan = next(reversed(launch._FORWARD_PLANS.values()))
+                print(f"host {label} {kind or 'bf16'} 1x16 32x128 runs of 2, TMA {tma} (plan: {plan.meta['TMA_DOCS']}): "
+                      f"{us:.1f} us per call", flush=True)
+                launch.FORWARD_OVERRIDES.clear()
 
 
 def main(argv=None) -> int:
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     variants = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     torch.manual_seed(0)
     if args.host:
-        host_times(fm, _layout, launch)
+        host_times(fm, _layout, ([("base", base_launch)] if base_launch else []) + [("new", launch)])
 
     def set_overrides(v):
         launch.FORWARD_OVERRIDES.clear()

@@ -246,7 +246,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = dict(meta)
-    bound, specialization, options = binder(*tensors, *scalars, **kwargs)
+    bound, specialization, options = binder(*tensors, *_launcher._tritons_scalars(tensors, scalars), **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options.__dict__)

@@ -77,17 +77,23 @@ def main():
               reference.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1), 1e-5)
         check("runs of documents, d=384 straddling", got_wide, reference.maxsim(wide_q, wide), 1e-5)
         # d = 96 (features padded to 128) in runs whose tiles straddle documents, whole tiles copied by TMA with
-        # the padded features zero-filled (an option; the runs are the default for such streaming rows)
+        # the padded features zero-filled (the default for such streaming rows), or by the threads; twice each, the
+        # second call through the cached launch (the descriptor encoded once)
         q96, d96 = torch.randn(1, 31, 96, device=dev, dtype=bf), torch.randn(11, 257, 96, device=dev, dtype=bf)
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True, MAXNREG=128):
-            got96 = fm.maxsim(q96, d96)
-        check("runs of documents, d=96 by TMA", got96, reference.maxsim(q96, d96), 1e-5)
-        # 128 query rows against runs of whole tiles: 8 warps (the default there), TMA copies (an option), masked
+        for tma in (True, False):
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma, MAXNREG=128):
+                for _ in range(2):
+                    got96 = fm.maxsim(q96, d96)
+            check(f"runs of documents, d=96 {'by TMA' if tma else 'copied by the threads'}", got96,
+                  reference.maxsim(q96, d96), 1e-5)
+        # 128 query rows against runs of whole tiles: 8 warps, TMA copies (the default there) or the threads', masked
         q128, qm128 = torch.randn(1, 128, 128, device=dev, dtype=bf), torch.rand(1, 128, device=dev) > 0.2
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True):
-            got128 = fm.maxsim(q128, runs, qm128, runs_mask)
-        check("runs of documents, 128 rows on 8 warps by TMA", got128, reference.maxsim(q128, runs, qm128, runs_mask),
-              1e-5)
+        for tma in (True, False):
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma):
+                for _ in range(2):
+                    got128 = fm.maxsim(q128, runs, qm128, runs_mask)
+            check(f"runs of documents, 128 rows on 8 warps {'by TMA' if tma else 'copied by the threads'}", got128,
+                  reference.maxsim(q128, runs, qm128, runs_mask), 1e-5)
         qd = fm.quantize(d.detach(), dm)
         # int8 x int8 products, the query quantised in the kernel (the default at d <= 256), then the conversion path
         from flash_maxsim.quantization import queries_as_scored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -243,9 +244,10 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
 
     if quantized:
         want = tuple(docs.shape[:-1])
-        scales = scales.reshape(want) if scales.numel() == docs[..., 0].numel() else scales
+        scales = scales.reshape(want) if scales.numel() == math.prod(want) else scales
         if tuple(scales.shape) != want or scales.device != device:
             raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}] on {scales.device}; "
                              f"expected [{', '.join(map(str, want))}] on {device}")
-        scales = scales.to(torch.float32)
+        if scales.dtype != torch.float32:
+            scales = scales.to(torch.float32)
     return Problem(Q, qmask, docs, dmask, offsets, int(max_length), int(candidates), single, scales)

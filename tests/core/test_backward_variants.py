@@ -225,15 +225,15 @@ def test_runs_of_16_bit_documents_copied_by_tma(overrides, Ld, d, monkeypatch):
                          and p.meta["BLOCK_D"] == 32 and p.meta["EVEN_D"] == (d == 32) for p in plans)
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma", [True, False], ids=["default-tma", "threads-copies"])
 def test_default_runs_of_128_rows_on_8_warps(overrides, tma, monkeypatch):
     """One query of 128 tokens against documents of whole tiles, with the default plan (grid sized as on 4 SMs):
-    runs of several documents per program on 8 warps, copied by the threads or (an option) by TMA (Hopper; the
-    interpreter emulates it), masks and an all-masked document; the same scores as the float64 reference."""
+    runs of several documents per program on 8 warps, copied by TMA (Hopper; the interpreter emulates it) or, with
+    TMA turned off, by the threads, masks and an all-masked document; the same scores as the float64 reference."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     monkeypatch.setattr(launch, "_sm_count", lambda: 4)
-    if tma:
-        overrides.FORWARD_OVERRIDES.update(TMA_DOCS=True)
+    if not tma:
+        overrides.FORWARD_OVERRIDES.update(TMA_DOCS=False)
     q, docs, qmask, dmask = _masked_padded_problem(1, 128, 24, 64, 32, 0.8, 0.6, seed=23)
     _assert_forward_matches_reference(q.bfloat16(), docs.bfloat16(), qmask, dmask, None)
     plans = list(launch._FORWARD_PLANS.values())

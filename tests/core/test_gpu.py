@@ -133,6 +133,54 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
     assert _launcher._enabled
 
 
+
+@pytest.mark.parametrize("d, Nq, Ld", [(96, 1, 130), (128, 4, 128)], ids=["d96-straddling", "d128-whole-tiles"])
+def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatch):
+    """Runs of documents copied by TMA: the direct launch encodes the documents' descriptor once per address
+    (kernels/_launcher.py). Scores must follow the documents' values and address: the same index again, its values
+    changed in place, another index of the same shape, and a new one allocated where a freed one was, each
+    bit for bit what Triton's own launch path gives (its descriptor made afresh) and close to the reference."""
+    from flash_maxsim.kernels import _launcher, launch
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0")
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True))
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    B = 40
+    q = torch.randn(Nq, 31, d, generator=g, device=DEVICE).to(BF16)
+
+    def index():
+        return torch.randn(B, Ld, d, generator=g, device=DEVICE).to(BF16)
+
+    def check(docs):
+        got = flash_maxsim.maxsim(q, docs)
+        with monkeypatch.context() as m:
+            m.setattr(_launcher, "_enabled", False)
+            tritons_own = flash_maxsim.maxsim(q, docs)
+        assert torch.equal(got, tritons_own)
+        ref = flash_maxsim.reference.maxsim(q.double(), docs.double())
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+    a, b = index(), index()
+    check(a)
+    check(a)
+    a.copy_(index())                      # new values at the same address
+    check(a)
+    check(b)
+    address = b.data_ptr()
+    del b
+    c = index()                           # the caching allocator hands out the freed block again, usually
+    check(c)
+    check(a)
+    plans = [p for p in launch._FORWARD_PLANS.values() if p.meta["TMA_DOCS"]]
+    assert plans, "no run of documents was copied by TMA"
+    parts = _launcher._triton_launch_parts()
+    if parts is not None and parts[0] == _launcher._C_LAUNCH_FORMAT:     # Triton 3.6: the C launcher directly
+        entries = [e for k, e in _launcher._RUNNERS.items() if any(k[1] is p for p in plans)]
+        assert entries and all(type(e).__name__ == "_CLauncherCall" for e in entries)
+        assert any(len(e.encoded) >= 2 for e in entries)
+    assert _launcher._enabled
+    print(f"index reused its freed block: {c.data_ptr() == address}")
+
 def _peak_extra_bytes(fn):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -123,6 +123,140 @@ def test_cpu_tensors_always_take_tritons_path(fresh_launcher):
     assert len(kernel.bound) == 2 and kernel.direct == []
 
 
+
+# --- Triton's C launcher called directly (Triton 3.6's layout) -------------------------------------------------
+
+class CLauncher:
+    """Triton's C launcher: no ``__code__`` (a built-in), records its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class HookChain:
+    def __init__(self):
+        self.calls = []
+
+
+class CompiledWithLauncher(Compiled):
+    """A compiled kernel whose ``run`` is laid out as Triton 3.6's CudaLauncher; ``wrapped``: its ``launch`` is
+    the tensor-descriptor wrapper, a closure over the C function."""
+
+    def __init__(self, jit, c_launch, wrapped=False, scratch=0, desc_meta=None):
+        super().__init__(jit)
+        if wrapped:
+            launch = (lambda launcher: lambda *args: launcher(*args))(c_launch)
+        else:
+            launch = c_launch
+        self.run = SimpleNamespace(launch=launch, global_scratch_size=scratch, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=True)
+        self.function, self.packed_metadata = 0xF00, (4, 1, 0)
+        self.metadata = SimpleNamespace(tensordesc_meta=desc_meta)
+
+
+class JITWithLauncher(FakeJIT):
+    def __init__(self, **compiled_kwargs):
+        super().__init__()
+        self.c_launch = CLauncher()
+        self.compiled_kwargs = compiled_kwargs
+
+    def __getitem__(self, grid):
+        def bind(*args, **meta):
+            self.bound.append((grid, args, meta))
+            return CompiledWithLauncher(self, self.c_launch, **self.compiled_kwargs)
+        return bind
+
+
+@pytest.fixture
+def c_launches(fresh_launcher, monkeypatch):
+    """Triton's launch parts as 3.6 has them: the format, an encoder that records what it encodes, hooks, a stream."""
+    encoded = []
+
+    def encode(desc, meta):
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape), meta))
+        return [f"tma@{desc.base.data_ptr()}", *desc.shape, *desc.strides]
+    runtime = SimpleNamespace(launch_enter_hook=HookChain(), launch_exit_hook=HookChain())
+    monkeypatch.setattr(_launcher, "_triton_launch_parts",
+                        lambda: (_launcher._C_LAUNCH_FORMAT, encode, runtime, lambda device: 77 + device))
+    return SimpleNamespace(encoded=encoded, runtime=runtime)
+
+
+def test_repeated_launches_call_tritons_c_launcher_with_integer_pointers(c_launches):
+    kernel = JITWithLauncher()
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    meta = dict(BLOCK=64, FLAG=True)
+    _launcher.launch(kernel, (7,), (x, y), (5,), meta)
+    _launcher.launch(kernel, (7,), (FakeTensor(4096), y), (5,), meta)
+    assert len(kernel.bound) == 1 and kernel.direct == []
+    # grid, the current stream, function, cooperative, PDL, no scratch, the kernel's metadata, no launch metadata
+    # or hooks, then the arguments in order: addresses, scalars, constexprs
+    assert kernel.c_launch.calls == [(7, 1, 1, 77, 0xF00, False, True, None, None, (4, 1, 0), None, None, None,
+                                      4096, 2048, 5, 64, True)]
+
+
+def test_launch_hooks_send_the_call_through_the_runner(c_launches):
+    kernel = JITWithLauncher()
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    meta = dict(BLOCK=64, FLAG=False)
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    c_launches.runtime.launch_enter_hook.calls.append(print)      # a profiler's hook
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    assert kernel.c_launch.calls == [] and kernel.direct == [((3, 1, 1), (x, y, 5, 64, False))]
+    c_launches.runtime.launch_enter_hook.calls.clear()
+    _launcher.launch(kernel, (3,), (x, y), (5,), meta)
+    assert len(kernel.c_launch.calls) == 1 and len(kernel.direct) == 1
+
+
+@pytest.mark.parametrize("layout", [dict(scratch=256), dict(desc_meta=None), dict(desc_meta=[None])])
+def test_kernels_laid_out_otherwise_keep_the_runner(c_launches, layout):
+    """Scratch memory to allocate, or a descriptor Triton did not lower to TMA: the compiled runner, as before."""
+    kernel = JITWithLauncher(wrapped=True, **layout)
+    kernel.params.insert(2, SimpleNamespace(name="DESC", is_constexpr=False))
+    x = FakeTensor(1024, torch.bfloat16)
+    desc = _launcher.TensorDesc(0, (64, 32), (32, 1), (16, 32))
+    _launcher.launch(kernel, (3,), (x, FakeTensor(2048)), (desc, 5), dict(BLOCK=64, FLAG=False))
+    _launcher.launch(kernel, (3,), (x, FakeTensor(2048)), (desc, 5), dict(BLOCK=64, FLAG=False))
+    assert kernel.c_launch.calls == [] and len(kernel.direct) == 1
+    runner_desc = kernel.direct[0][1][2]
+    assert (runner_desc.base, runner_desc.shape, runner_desc.block_shape) == (x, [64, 32], [16, 32])
+
+
+def test_another_c_launcher_format_keeps_the_runner(c_launches, monkeypatch):
+    monkeypatch.setattr(_launcher, "_triton_launch_parts", lambda: ("iiiKKOOOO", None, None, None))
+    kernel = JITWithLauncher()
+    for _ in range(2):
+        _launcher.launch(kernel, (3,), (FakeTensor(1024), FakeTensor(2048)), (5,), dict(BLOCK=64, FLAG=False))
+    assert kernel.c_launch.calls == [] and len(kernel.direct) == 1
+
+
+def test_tensor_descriptors_are_encoded_once_per_address(c_launches):
+    """A descriptor argument reaches Triton's first launch as its TensorDescriptor, and the C launcher as its
+    encoded arguments, encoded again only for documents at another address; the cache holds no tensor."""
+    import weakref
+    kernel = JITWithLauncher(wrapped=True, desc_meta=[{"swizzle": 128}])
+    kernel.params.insert(2, SimpleNamespace(name="DESC", is_constexpr=False))
+    q = FakeTensor(1024)
+    desc = _launcher.TensorDesc(1, (64, 32), (32, 1), (16, 32))
+    meta = dict(BLOCK=64, FLAG=False)
+    plan = object()
+    docs = [FakeTensor(4096, torch.bfloat16), FakeTensor(8192, torch.bfloat16)]
+    for d in (docs[0], docs[0], docs[1], docs[0]):
+        _launcher.launch(kernel, (3,), (q, d), (desc, 5), meta, None, plan)
+    first = kernel.bound[0][1][2]
+    assert len(kernel.bound) == 1 and (first.base, first.shape, first.strides) == (docs[0], [64, 32], [32, 1])
+    assert c_launches.encoded == [(4096, (64, 32), (32, 1), (16, 32), {"swizzle": 128}),
+                                  (8192, (64, 32), (32, 1), (16, 32), {"swizzle": 128})]
+    args = [call[13:] for call in kernel.c_launch.calls]
+    assert args == [(1024, 4096, "tma@4096", 64, 32, 32, 1, 5, 64, False),
+                    (1024, 8192, "tma@8192", 64, 32, 32, 1, 5, 64, False),
+                    (1024, 4096, "tma@4096", 64, 32, 32, 1, 5, 64, False)]
+    alive = weakref.ref(docs[1])
+    del docs[1], d
+    assert alive() is None, "the launch cache keeps the documents alive"
+
 # --- tile choices (kernels/launch.py): pure host logic, pinned where a device run showed a regression ---------
 
 from flash_maxsim.kernels import launch  # noqa: E402
@@ -177,8 +311,8 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     """int8 products: grids of 8 programs per SM (one query's bandwidth-bound scoring) or 24 (compute-bound: long
     queries over many documents, 3 resident per SM), each program scoring an equal share of the documents; 16-bit
     documents 2 per SM where they are whole tiles (or their features are chunked), else one per program, and so do
-    int8 ones too few to share; 16-bit documents with padded features 8 per SM in tiles that straddle them;
-    128-row programs over runs of 16-bit whole tiles on 8 warps."""
+    int8 ones too few to share; 16-bit documents with padded features 8 per SM in tiles that straddle them, copied
+    by TMA; 128-row programs over runs of 16-bit whole tiles on 8 warps, copied by TMA."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
     monkeypatch.setattr(launch, "CAPABILITY_OVERRIDE", (9, 0))
 
@@ -193,13 +327,14 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, True, torch.bfloat16, False) == 0  # training
     assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.float32, False) == 0
     # features padded to the tile (d=96 in 128) in tiles that straddle documents: 8 runs per SM in 128 registers,
-    # copied by the threads (TMA is an option)
+    # whole tiles copied by TMA
     cfg = launch.forward_config(1, 5000, 31, 257, 96, False, False, torch.bfloat16, False)
-    assert cfg["PROGRAMS_PER_SM"] == 8 and cfg["MAXNREG"] == 128 and not cfg["TMA_DOCS"] and cfg["BLOCK_D"] == 128
+    assert cfg["PROGRAMS_PER_SM"] == 8 and cfg["MAXNREG"] == 128 and cfg["TMA_DOCS"] and cfg["BLOCK_D"] == 128
     assert programs_per_sm(1, 5000, 31, 256, 96, False, False, torch.bfloat16, False) == 2      # whole tiles
-    # 128-row programs over runs of whole tiles: 8 warps; 32-row (streaming) ones keep 2 warps
+    # 128-row programs over runs of whole tiles: 8 warps, TMA copies; 32-row (streaming) ones keep 2 warps, copied
+    # by the threads
     cfg = launch.forward_config(1, 1000, 128, 1024, 128, False, False, torch.bfloat16, False)
-    assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 8 and not cfg["TMA_DOCS"]
+    assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 8 and cfg["TMA_DOCS"]
     cfg = launch.forward_config(1, 1000, 32, 1024, 128, False, False, torch.bfloat16, False)
     assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 2 and not cfg["TMA_DOCS"]
     assert programs_per_sm(1, 5000, 31, 257, 128, False, False, torch.bfloat16, False) == 0     # d = BLOCK_D

@@ -9,11 +9,21 @@ call that compiled kernel directly.
 The key holds everything Triton specialises on: every integer and float argument, the constexpr values, and
 each tensor's dtype and 16-byte alignment, plus the current device. Anything unexpected (another Triton version
 whose compiled kernels cannot be called this way, the CPU interpreter) falls back to Triton's own launch path.
+
+Two direct paths, the first one that fits the compiled kernel:
+- ``_CLauncherCall``: Triton's C launcher itself, with the tensors' addresses as integers and each tensor
+  descriptor encoded once per address (Triton 3.6's launcher layout, checked when the kernel is first compiled).
+  The compiled kernel's runner around it re-reads the device, stream and launch hooks, builds launch metadata and
+  calls two empty hook chains: ~7 us of a ~30 us scoring call (session 14, `benchmarks/host_probe.py`); with a
+  tensor descriptor, ~20 us more (the descriptor made, and encoded for the kernel by Triton's launcher wrapper).
+- ``_RunnerCall``: the compiled kernel's runner, ``compiled[grid](*args)`` (any Triton whose runner takes every
+  argument in order).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +31,27 @@ log = logging.getLogger("flash_maxsim")
 
 _RUNNERS: dict = {}
 _MAX_RUNNERS = 4096
+_MAX_ENCODED = 16       # encoded descriptors kept per compiled kernel (one per documents' address)
 _enabled = True
+
+
+class TensorDesc(NamedTuple):
+    """A tensor-descriptor argument (TMA) over ``tensors[index]``, in place of Triton's ``TensorDescriptor``: made
+    into one for Triton's own launch path, and encoded once per address for the C launcher (a ``TensorDescriptor``
+    made per call costs ~3.5 us of host time, and Triton's launcher encodes it again at every launch)."""
+    index: int
+    shape: tuple
+    strides: tuple
+    block_shape: tuple
+
+
+def _tritons_scalars(tensors, scalars) -> tuple:
+    """``scalars`` with each ``TensorDesc`` made into Triton's ``TensorDescriptor``."""
+    if not any(isinstance(s, TensorDesc) for s in scalars):
+        return scalars
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return tuple(TensorDescriptor(tensors[s.index], list(s.shape), list(s.strides), list(s.block_shape))
+                 if isinstance(s, TensorDesc) else s for s in scalars)
 
 
 def _constexpr_tail(kernel, n_runtime: int, meta: dict):
@@ -37,48 +67,166 @@ def _constexpr_tail(kernel, n_runtime: int, meta: dict):
         return None
 
 
+class _RunnerCall:
+    """The compiled kernel's runner: every argument in order, tensors as tensors, descriptors as Triton's."""
+
+    def __init__(self, runner, tail):
+        self.runner, self.tail = runner, tail
+
+    def __call__(self, tensors, ptrs, scalars, device):
+        self.runner(*tensors, *_tritons_scalars(tensors, scalars), *self.tail)
+
+
+# the leading arguments of Triton 3.6's C launcher: grid x, y, z, stream, function, cooperative grid, PDL, global
+# and profile scratch, kernel metadata, launch metadata, enter and exit hooks; the kernel's arguments follow
+_C_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+
+
+def _triton_launch_parts():
+    """What the direct C launch needs from this Triton: (its C launchers' leading-argument format, the function
+    that encodes a tensor descriptor for them, the runtime knobs holding the launch hooks, the current-stream
+    getter); None without Triton's CUDA backend."""
+    try:
+        from triton import knobs
+        from triton.backends.nvidia import driver as cuda_driver
+        from triton.runtime import driver
+        return (getattr(cuda_driver, "_BASE_ARGS_FORMAT", None), cuda_driver.make_tensordesc_arg, knobs.runtime,
+                driver.active.get_current_stream)
+    except Exception as exc:
+        log.debug("flash_maxsim: no direct C launches (%s)", exc)
+        return None
+
+
+class _CLauncherCall:
+    """Triton's C launcher called directly (``compiled.run.launch``, or the C function inside its tensor-descriptor
+    wrapper), when the compiled kernel is laid out as Triton 3.6 lays it out; see ``from_compiled``. Launch hooks
+    (a profiler's) send the call through the runner instead."""
+
+    def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_meta, runtime, get_stream):
+        self.c_launch, self.runner, self.tail = c_launch, runner, tail
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
+        launcher = compiled.run
+        self.cooperative, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        self.encode, self.desc_meta = encode, desc_meta
+        self.runtime, self.get_stream = runtime, get_stream
+        self.desc_at = None          # positions of the descriptors among the scalars (fixed by the key)
+        self.encoded: dict = {}      # descriptors' tensors' addresses -> the scalars with them encoded
+
+    @classmethod
+    def from_compiled(cls, compiled, runner, grid, tail, scalars):
+        """The direct call, or None where the compiled kernel is not laid out as this call expects: the C
+        launcher's leading arguments as Triton 3.6's, no scratch memory, and tensor descriptors (if any) that
+        Triton lowered to TMA descriptors (``tensordesc_meta``)."""
+        parts = _triton_launch_parts()
+        if parts is None or parts[0] != _C_LAUNCH_FORMAT:
+            return None
+        _, encode, runtime, get_stream = parts
+        launcher = compiled.run
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        c_launch = launcher.launch
+        code = getattr(c_launch, "__code__", None)
+        if code is not None:
+            # Triton's tensor-descriptor wrapper (a Python closure that encodes descriptors): the C function inside
+            if "launcher" not in code.co_freevars:
+                return None
+            c_launch = c_launch.__closure__[code.co_freevars.index("launcher")].cell_contents
+            if getattr(c_launch, "__code__", None) is not None:
+                return None
+        n_desc = sum(isinstance(s, TensorDesc) for s in scalars)
+        desc_meta = getattr(compiled.metadata, "tensordesc_meta", None)
+        if n_desc and (not desc_meta or len(desc_meta) != n_desc or any(m is None for m in desc_meta)):
+            return None
+        return cls(c_launch, compiled, runner, grid, tail, encode, desc_meta, runtime, get_stream)
+
+    def _hooks_idle(self) -> bool:
+        for chain in (self.runtime.launch_enter_hook, self.runtime.launch_exit_hook):
+            # Triton 3.6's hook chains (never None); a hook set some other way counts as active
+            if chain is not None and getattr(chain, "calls", True):
+                return False
+        return True
+
+    def _with_encoded(self, tensors, ptrs, scalars) -> tuple:
+        """``scalars`` with each descriptor replaced by its encoded arguments (the 128-byte TMA descriptor, its
+        shape and strides), encoded once per address of the tensors it reads: the key fixes everything else in
+        ``scalars``, so the whole tuple is kept per address."""
+        if self.desc_at is None:
+            self.desc_at = tuple(i for i, s in enumerate(scalars) if isinstance(s, TensorDesc))
+        if not self.desc_at:
+            return scalars
+        key = tuple(ptrs[scalars[i].index] for i in self.desc_at)
+        out = self.encoded.get(key)
+        if out is None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            out = list(scalars)
+            for k, i in reversed(list(enumerate(self.desc_at))):
+                s = scalars[i]
+                desc = TensorDescriptor(tensors[s.index], list(s.shape), list(s.strides), list(s.block_shape))
+                # the encoded arguments hold the address, not the tensor (a cached tensor would be kept alive)
+                out[i:i + 1] = [ptrs[s.index] if a is tensors[s.index] else a
+                                for a in self.encode(desc, self.desc_meta[k])]
+            if len(self.encoded) >= _MAX_ENCODED:
+                self.encoded.clear()
+            out = self.encoded[key] = tuple(out)
+        return out
+
+    def __call__(self, tensors, ptrs, scalars, device):
+        if not self._hooks_idle():
+            self.runner(*tensors, *_tritons_scalars(tensors, scalars), *self.tail)
+            return
+        self.c_launch(*self.grid, self.get_stream(device), self.function, self.cooperative, self.pdl, None, None,
+                      self.packed_metadata, None, None, None, *ptrs, *self._with_encoded(tensors, ptrs, scalars),
+                      *self.tail)
+
+
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta_key=None, plan=None) -> None:
     """``kernel[grid](*tensors, *scalars, **meta)``, with the binding cost paid once per specialisation.
-    ``meta_key`` (optional) is a hashable stand-in for ``meta``, precomputed by callers that reuse one. ``plan``
-    (optional) is an object whose identity fixes ``grid``, ``scalars``, ``meta`` and the tensors' dtypes (a cached
-    launch plan): it stands in for all of them in the key, which then hashes a few objects instead of ~60 values
-    (~1.5 us of a small scoring call's host time); the key holds the plan, so its identity is never reused. With a
-    plan the scalars are not in the key, so they may include values that are not hashable: a tensor descriptor,
-    which Triton's launcher encodes for the kernel at every launch."""
+    ``scalars`` may hold ``TensorDesc`` arguments. ``meta_key`` (optional) is a hashable stand-in for ``meta``,
+    precomputed by callers that reuse one. ``plan`` (optional) is an object whose identity fixes ``grid``,
+    ``scalars``, ``meta`` and the tensors' dtypes (a cached launch plan): it stands in for all of them in the key,
+    which then hashes a few objects instead of ~60 values (~1.5 us of a small scoring call's host time); the key
+    holds the plan, so its identity is never reused."""
     global _enabled
     if not _enabled or not tensors[0].is_cuda:
-        kernel[grid](*tensors, *scalars, **meta)
+        kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta)
         return
+    ptrs = [t.data_ptr() for t in tensors]
+    device = torch.cuda.current_device()
     if plan is not None:
-        ptrs = 0
-        for t in tensors:
-            ptrs |= t.data_ptr()
+        aligned = 0
+        for p in ptrs:
+            aligned |= p
         # every pointer 16-byte aligned (the usual case) in one test; else each one's alignment
-        key = (kernel, plan, True if (ptrs & 15) == 0 else tuple(t.data_ptr() & 15 for t in tensors),
-               torch.cuda.current_device())
+        key = (kernel, plan, True if (aligned & 15) == 0 else tuple(p & 15 for p in ptrs), device)
     else:
         key = (kernel, grid, scalars, meta_key if meta_key is not None else tuple(meta.items()),
-               tuple((t.dtype, t.data_ptr() & 15) for t in tensors), torch.cuda.current_device())
+               tuple((t.dtype, p & 15) for t, p in zip(tensors, ptrs)), device)
     entry = _RUNNERS.get(key)
     if entry is not None:
-        runner, tail = entry
         try:
-            runner(*tensors, *scalars, *tail)
+            entry(tensors, ptrs, scalars, device)
             return
         except Exception as exc:   # a compiled kernel whose runner takes other arguments: Triton's path from now on
             log.debug("flash_maxsim: direct kernel launch failed (%s); using Triton's launch path", exc)
             _enabled = False
             _RUNNERS.clear()
-    compiled = kernel[grid](*tensors, *scalars, **meta)
+    compiled = kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta)
     tail = _constexpr_tail(kernel, len(tensors) + len(scalars), meta)
+    if tail is None:
+        return
     try:
         # CompiledKernel's launcher reads three grid dimensions
-        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))] if tail is not None else None
+        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
     except Exception as exc:  # another Triton's CompiledKernel: keep Triton's launch path
         log.debug("flash_maxsim: direct kernel launches unavailable (%s); using Triton's launch path", exc)
         _enabled = False
         return
-    if runner is not None:
-        if len(_RUNNERS) >= _MAX_RUNNERS:
-            _RUNNERS.clear()
-        _RUNNERS[key] = (runner, tail)
+    entry = None
+    try:
+        entry = _CLauncherCall.from_compiled(compiled, runner, grid, tail, scalars)
+    except Exception as exc:   # a compiled kernel laid out otherwise: its runner
+        log.debug("flash_maxsim: Triton's C launcher not callable directly (%s); using the compiled runner", exc)
+    if len(_RUNNERS) >= _MAX_RUNNERS:
+        _RUNNERS.clear()
+    _RUNNERS[key] = entry if entry is not None else _RunnerCall(runner, tail)

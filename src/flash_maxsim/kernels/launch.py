@@ -160,10 +160,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                     and d < cfg["BLOCK_D"] and max_len % cfg["BLOCK_N"] != 0):
                 # features padded to the tile (d=96 in 128): runs of documents (no partial tile per document) at 8
                 # programs per SM in 128 registers (session 13, 1x5k 31x257 d=96 against 0.0817 ms: 0.0804; 16 per
-                # SM 0.0865, no register cap 0.0827). Copying their whole tiles by TMA (which zero-fills the features
-                # past d) read 0.0791, but a descriptor costs ~9 us of host time per call (session 12), more than the
-                # 1.3 us it saves a synchronous call: an option (TMA_DOCS), not the default
-                cfg.update(PROGRAMS_PER_SM=8, MAXNREG=128)
+                # SM 0.0865, no register cap 0.0827), whole tiles copied by TMA, which zero-fills the features past
+                # d (session 13: 0.0791; session 14: 0.0782 vs 0.0807), now that the direct launch encodes the
+                # descriptor once per index (kernels/_launcher.py: ~2 us of host time per call, was ~15)
+                cfg.update(PROGRAMS_PER_SM=8, MAXNREG=128, TMA_DOCS=True)
         if int8_products:
             # several documents per program: the query tile loaded and quantised once for all of them (session 5,
             # 4 per program: 1x10k 32x300 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394), as many as make 8 programs
@@ -176,8 +176,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # at most 128 registers: 8 programs of 2 warps per SM. The run of documents whose tiles straddle two
             # documents takes 160 otherwise (6 per SM), and is slower than a loop per document at 6 per SM but
             # faster at 8 (session 10, run 22: 1x10k 32x300 0.1121 vs 0.1136 ms, 32x1030 0.3295 vs 0.3394).
-            # Not TMA copies (session 12: 0.1112 vs 0.1121, for ~10 us more host time per call: Triton encodes the
-            # descriptor at every launch) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
+            # Not TMA copies (session 12: 0.1112 vs 0.1121; session 14, with the descriptor encoded once: 0.1104 vs
+            # 0.1093) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
             cfg["MAXNREG"] = 128
     if (dtype in (torch.bfloat16, torch.float16) and not int8_products and not save_aux and cfg["DSPLIT"] == 1
             and (max_len % cfg["BLOCK_N"] == 0 or cfg["D_CHUNKS"] > 1)):
@@ -189,8 +189,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         cfg["PROGRAMS_PER_SM"] = 2
         if tokb * qpb == 128 and cfg["num_warps"] == 4:
             # 128-row programs on 8 warps (session 13, 1x1k 128x1024 in 7 interleaved rounds: 0.0749 against 0.0764
-            # ms; with TMA copies 0.0743, not worth a descriptor's ~9 us of host time per call; 4 stages 0.0747)
-            cfg["num_warps"] = 8
+            # ms; 4 stages 0.0747), whole tiles copied by TMA (session 13: 0.0743; session 14: 0.0748 vs 0.0753 on
+            # 8 warps without), now that the descriptor is encoded once per index. Not the 32-row runs (1x1k
+            # 32x1024: 0.0732 vs 0.0730)
+            cfg.update(num_warps=8, TMA_DOCS=True)
     cfg.update({k: v for k, v in FORWARD_OVERRIDES.items() if k != "ROWS"})
     return cfg
 
@@ -301,7 +303,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
                 and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1
                 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
-        None,    # the documents' tensor descriptor (TMA_DOCS), made per call
+        # the documents' tensor descriptor (TMA_DOCS): the direct launch encodes it once per documents' address
+        _launcher.TensorDesc(1, (T * Ld, d), (sdl, 1), (cfg["BLOCK_N"], cfg["BLOCK_D"])) if tma_docs else None,
         Nq, Lq, d, Ld, max(candidates, 1), T, docs,
         n_qblocks, n_splits, n_ds, tokens_per_ds,
         *q_strides,
@@ -402,14 +405,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                scores, aux if aux is not None else dummy,
                document_scales if document_scales is not None else dummy,
                query_scales if query_scales is not None else dummy)
-    scalars = plan.scalars
-    if plan.meta["TMA_DOCS"]:
-        # a descriptor per call (it holds the address; Triton's launcher encodes it for the kernel at each launch)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        T, Ld, d = documents.shape
-        scalars = (TensorDescriptor(documents, [T * Ld, d], [documents.stride(1), 1],
-                                    [plan.meta["BLOCK_N"], plan.meta["BLOCK_D"]]),) + scalars[1:]
-    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, scalars, plan.meta, plan.meta_key, plan)
+    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
