@@ -24,6 +24,7 @@ training_vs_batch.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import inspect
 import itertools
@@ -187,12 +188,35 @@ def _resolve_do_bench():
 
 class Timer:
     """Median milliseconds of ``fn()``: triton's do_bench on CUDA (it flushes L2 before every repetition),
-    CUDA events as a fallback, time.perf_counter on the CPU."""
+    CUDA events as a fallback, time.perf_counter on the CPU.
 
-    def __init__(self, cuda: bool, warmup_ms: float, rep_ms: float, cpu_reps: int):
+    ``l2_flush``: how do_bench clears the L2 cache before each repetition. "zero" (do_bench's own: it zeroes a
+    256 MB buffer, which leaves the L2 full of dirty lines that the timed call's reads write back to HBM inside its
+    measurement: ~8-9 us on the H200, session 14's benchmarks/flush_probe.py) or "read" (a reduction reads the same
+    buffer: the L2 is as cold, its lines clean)."""
+
+    def __init__(self, cuda: bool, warmup_ms: float, rep_ms: float, cpu_reps: int, l2_flush: str = "zero"):
         self.cuda, self.warmup_ms, self.rep_ms, self.cpu_reps = cuda, warmup_ms, rep_ms, cpu_reps
+        self.l2_flush = l2_flush
         self._do_bench = _resolve_do_bench() if cuda else None
         self.name = "triton.testing.do_bench" if self._do_bench else ("cuda-events" if cuda else "perf_counter")
+        if self._do_bench is not None and l2_flush == "read":
+            self.name += ", L2 flushed by a read"
+
+    @contextlib.contextmanager
+    def _flush(self):
+        """do_bench's cache clearing, replaced by a read for the call when ``l2_flush == "read"``."""
+        if self.l2_flush != "read":
+            yield
+            return
+        from triton.runtime import driver
+        active = driver.active
+        total = torch.empty((), dtype=torch.int64, device="cuda")
+        active.clear_cache = lambda cache: torch.sum(cache, dim=0, out=total)
+        try:
+            yield
+        finally:
+            del active.clear_cache
 
     def median_ms(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
@@ -205,7 +229,8 @@ class Timer:
             return statistics.median(times)
         if self._do_bench is not None:
             try:
-                return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+                with self._flush():
+                    return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
             except (TypeError, AssertionError) as exc:  # a do_bench that rejects "median"
                 log.warning("do_bench failed (%s); timing with CUDA events from now on", exc)
                 self._do_bench, self.name = None, "cuda-events"
@@ -263,7 +288,7 @@ class Machine:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         # The Triton interpreter mishandles bf16 in the peers' kernels (garbage scores); fp16 runs them exactly.
         self.dtype = torch.float16 if args.interpret else torch.bfloat16
-        self.timer = Timer(self.cuda, args.warmup_ms, args.rep_ms, cpu_reps=args.cpu_reps)
+        self.timer = Timer(self.cuda, args.warmup_ms, args.rep_ms, cpu_reps=args.cpu_reps, l2_flush=args.l2_flush)
         self.budget = Budget(args.budget_s if self.cuda else None)
         self.max_eager_ms = args.max_eager_ms
         self.l2_bytes = 60 * MB
@@ -1671,6 +1696,9 @@ def parse_args(argv=None):
                         "run in the interpreter (fp16 inputs; slow)")
     p.add_argument("--cpu-reps", type=int, default=None,
                    help="timed repetitions per measurement on the CPU (default 2; 1 with --interpret)")
+    p.add_argument("--l2-flush", choices=("zero", "read"), default="zero",
+                   help="how the L2 cache is cleared before each timed call: do_bench's zeroed buffer (dirty lines, "
+                        "written back inside the next measurement) or a read of it (clean lines)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3,
                    help="forward, training and compressed-index rows: time ours and the peers again in this many alternating passes "

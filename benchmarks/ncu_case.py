@@ -4,7 +4,8 @@
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         python3 benchmarks/ncu_case.py int8-1024
 
-Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300).
+Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300),
+bf16-128x1024 (1x1k 128x1024).
 An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile).
 """
 
@@ -16,7 +17,7 @@ import torch
 import flash_maxsim as fm
 
 CASES = {"int8-1024": (1, 10000, 1024, 1024, True), "int8-300": (1, 10000, 32, 300, True),
-         "bf16-64q": (64, 1000, 32, 300, False)}
+         "bf16-64q": (64, 1000, 32, 300, False), "bf16-128x1024": (1, 1000, 128, 1024, False)}
 
 
 def main(name: str, overrides: str = "{}") -> None:
