@@ -186,6 +186,20 @@ def _resolve_do_bench():
     return do_bench
 
 
+@contextlib.contextmanager
+def l2_flushed_by_read():
+    """Inside it, triton's do_bench clears the L2 before each repetition by reading its 256 MB buffer (a reduction
+    into one value) instead of zeroing it: the L2 is as cold, and its lines clean."""
+    from triton.runtime import driver
+    active = driver.active
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+    active.clear_cache = lambda cache: torch.sum(cache, dim=0, out=total)
+    try:
+        yield
+    finally:
+        del active.clear_cache
+
+
 class Timer:
     """Median milliseconds of ``fn()``: triton's do_bench on CUDA (it flushes L2 before every repetition),
     CUDA events as a fallback, time.perf_counter on the CPU.
@@ -203,20 +217,8 @@ class Timer:
         if self._do_bench is not None and l2_flush == "read":
             self.name += ", L2 flushed by a read"
 
-    @contextlib.contextmanager
     def _flush(self):
-        """do_bench's cache clearing, replaced by a read for the call when ``l2_flush == "read"``."""
-        if self.l2_flush != "read":
-            yield
-            return
-        from triton.runtime import driver
-        active = driver.active
-        total = torch.empty((), dtype=torch.int64, device="cuda")
-        active.clear_cache = lambda cache: torch.sum(cache, dim=0, out=total)
-        try:
-            yield
-        finally:
-            del active.clear_cache
+        return l2_flushed_by_read() if self.l2_flush == "read" else contextlib.nullcontext()
 
     def median_ms(self, fn: Callable[[], object]) -> float:
         if not self.cuda:

@@ -7,7 +7,10 @@ same number of bytes (a Triton loop that loads and XORs 32-bit words, each progr
 loads pipelined; configurations: words per load, programs per SM, warps, stages), and ``flash_maxsim.maxsim`` on
 the row itself, interleaved in rounds. "ours / read" close to 1 means the row is as fast as reading its inputs.
 
-    python benchmarks/read_roofline.py [--rounds 3] [--out FILE.json]
+    python benchmarks/read_roofline.py [--rounds 3] [--out FILE.json] [--rows 32x1030] [--l2-flush read]
+
+``--l2-flush read``: every call timed after a read of do_bench's 256 MB buffer instead of its zeroing (which leaves
+dirty L2 lines that the timed call writes back: ~8-9 us per call, `flush_probe.py`).
 
 Not the published benchmark (benchmarks/bench.py); the numbers go to docs/perf-notes.md.
 """
@@ -15,6 +18,7 @@ Not the published benchmark (benchmarks/bench.py); the numbers go to docs/perf-n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -73,12 +77,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--rows", default="", help="only rows whose name contains one of these comma-separated texts")
+    ap.add_argument("--l2-flush", choices=("zero", "read"), default="zero",
+                    help="do_bench's L2 clearing (a zeroed buffer: dirty lines) or a read of its buffer (clean lines)")
     args = ap.parse_args(argv)
     import flash_maxsim as fm
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    from bench import l2_flushed_by_read
+
+    def bench(fn):
+        with l2_flushed_by_read() if args.l2_flush == "read" else contextlib.nullcontext():
+            return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     torch.manual_seed(0)
     results = []
     for name, Nq, B, Lq, Ld, d, kind in ROWS:
+        if not any(r in name for r in args.rows.split(",")):
+            continue
         q = torch.randn(Nq, Lq, d, device="cuda", dtype=torch.bfloat16)
         docs = torch.randn(B, Ld, d, device="cuda", dtype=torch.bfloat16)
         if kind:
@@ -108,7 +121,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=results), f, indent=1)
+                           l2_flush=args.l2_flush, rows=results), f, indent=1)
     return 0
 
 
