@@ -54,7 +54,6 @@ def main(argv=None) -> int:
         times = {f: timed(lambda: fm.maxsim(q, docs), fl, args.reps) for f, fl in flushes.items()}
         print(f"{name} ({mb:.0f} MB): " + "  ".join(f"{f} {t:.4f} ms ({mb / 1e3 / t:.2f} TB/s)"
                                                    for f, t in times.items()), flush=True)
-        del q, docs
     return 0
 
 

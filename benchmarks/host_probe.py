@@ -51,8 +51,8 @@ def probe(name, q, docs, overrides):
         "launch.forward": lambda: forward_scores(launch, p),
         "cached launch alone": lambda: _launcher.launch(launch.maxsim_fwd_kernel, plan.grid, tensors, scalars,
                                                         plan.meta, plan.meta_key, plan),
-        "compiled runner alone": lambda: entry.runner(*tensors, *_launcher._tritons_scalars(tensors, scalars),
-                                                      *entry.tail),
+        # the compiled kernel's runner on the same arguments (what a direct C launch falls back to)
+        "compiled runner alone": lambda: getattr(entry, "through_runner", entry)(tensors, None, scalars, None),
         "torch.empty scores": lambda: torch.empty(plan.scores_shape, device="cuda"),
     }
     if isinstance(scalars[0], _launcher.TensorDesc) and hasattr(entry, "encode"):

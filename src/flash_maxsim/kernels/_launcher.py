@@ -103,7 +103,8 @@ class _CLauncherCall:
     (a profiler's) send the call through the runner instead."""
 
     def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_meta, runtime, get_stream):
-        self.c_launch, self.runner, self.tail = c_launch, runner, tail
+        self.c_launch, self.tail = c_launch, tail
+        self.through_runner = _RunnerCall(runner, tail)     # while a launch hook is set
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
         launcher = compiled.run
@@ -173,7 +174,7 @@ class _CLauncherCall:
 
     def __call__(self, tensors, ptrs, scalars, device):
         if not self._hooks_idle():
-            self.runner(*tensors, *_tritons_scalars(tensors, scalars), *self.tail)
+            self.through_runner(tensors, ptrs, scalars, device)
             return
         self.c_launch(*self.grid, self.get_stream(device), self.function, self.cooperative, self.pdl, None, None,
                       self.packed_metadata, None, None, None, *ptrs, *self._with_encoded(tensors, ptrs, scalars),
