@@ -200,6 +200,16 @@ def l2_flushed_by_read():
         del active.clear_cache
 
 
+def l2_flush(mode: str):
+    """The context do_bench is called in: its own L2 clearing ("zero") or ``l2_flushed_by_read`` ("read")."""
+    return l2_flushed_by_read() if mode == "read" else contextlib.nullcontext()
+
+
+L2_FLUSH_MODES = ("zero", "read")
+L2_FLUSH_HELP = ("how the L2 cache is cleared before each timed call: do_bench's zeroed buffer (dirty lines, "
+                 "written back inside the next measurement) or a read of it (clean lines)")
+
+
 class Timer:
     """Median milliseconds of ``fn()``: triton's do_bench on CUDA (it flushes L2 before every repetition),
     CUDA events as a fallback, time.perf_counter on the CPU.
@@ -217,9 +227,6 @@ class Timer:
         if self._do_bench is not None and l2_flush == "read":
             self.name += ", L2 flushed by a read"
 
-    def _flush(self):
-        return l2_flushed_by_read() if self.l2_flush == "read" else contextlib.nullcontext()
-
     def median_ms(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
             fn()
@@ -231,7 +238,7 @@ class Timer:
             return statistics.median(times)
         if self._do_bench is not None:
             try:
-                with self._flush():
+                with l2_flush(self.l2_flush):
                     return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
             except (TypeError, AssertionError) as exc:  # a do_bench that rejects "median"
                 log.warning("do_bench failed (%s); timing with CUDA events from now on", exc)
@@ -1698,9 +1705,7 @@ def parse_args(argv=None):
                         "run in the interpreter (fp16 inputs; slow)")
     p.add_argument("--cpu-reps", type=int, default=None,
                    help="timed repetitions per measurement on the CPU (default 2; 1 with --interpret)")
-    p.add_argument("--l2-flush", choices=("zero", "read"), default="zero",
-                   help="how the L2 cache is cleared before each timed call: do_bench's zeroed buffer (dirty lines, "
-                        "written back inside the next measurement) or a read of it (clean lines)")
+    p.add_argument("--l2-flush", choices=L2_FLUSH_MODES, default="zero", help=L2_FLUSH_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3,
                    help="forward, training and compressed-index rows: time ours and the peers again in this many alternating passes "

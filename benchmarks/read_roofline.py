@@ -18,7 +18,6 @@ Not the published benchmark (benchmarks/bench.py); the numbers go to docs/perf-n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import statistics
@@ -26,6 +25,8 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+
+from bench import L2_FLUSH_HELP, L2_FLUSH_MODES, l2_flush
 
 # (name, Nq, B, Lq, Ld, d, index): the bandwidth-bound rows (one query token block streams the documents once)
 ROWS = [
@@ -78,14 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--rows", default="", help="only rows whose name contains one of these comma-separated texts")
-    ap.add_argument("--l2-flush", choices=("zero", "read"), default="zero",
-                    help="do_bench's L2 clearing (a zeroed buffer: dirty lines) or a read of its buffer (clean lines)")
+    ap.add_argument("--l2-flush", choices=L2_FLUSH_MODES, default="zero", help=L2_FLUSH_HELP)
     args = ap.parse_args(argv)
     import flash_maxsim as fm
-    from bench import l2_flushed_by_read
 
     def bench(fn):
-        with l2_flushed_by_read() if args.l2_flush == "read" else contextlib.nullcontext():
+        with l2_flush(args.l2_flush):
             return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     torch.manual_seed(0)
     results = []

@@ -44,14 +44,17 @@ class TensorDesc(NamedTuple):
     strides: tuple
     block_shape: tuple
 
+    def made(self, tensors):
+        """Triton's ``TensorDescriptor`` over this launch's ``tensors``."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor(tensors[self.index], list(self.shape), list(self.strides), list(self.block_shape))
+
 
 def _tritons_scalars(tensors, scalars) -> tuple:
     """``scalars`` with each ``TensorDesc`` made into Triton's ``TensorDescriptor``."""
     if not any(isinstance(s, TensorDesc) for s in scalars):
         return scalars
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return tuple(TensorDescriptor(tensors[s.index], list(s.shape), list(s.strides), list(s.block_shape))
-                 if isinstance(s, TensorDesc) else s for s in scalars)
+    return tuple(s.made(tensors) if isinstance(s, TensorDesc) else s for s in scalars)
 
 
 def _constexpr_tail(kernel, n_runtime: int, meta: dict):
@@ -102,7 +105,7 @@ class _CLauncherCall:
     wrapper), when the compiled kernel is laid out as Triton 3.6 lays it out; see ``from_compiled``. Launch hooks
     (a profiler's) send the call through the runner instead."""
 
-    def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_meta, runtime, get_stream):
+    def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream):
         self.c_launch, self.tail = c_launch, tail
         self.through_runner = _RunnerCall(runner, tail)     # while a launch hook is set
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -110,8 +113,8 @@ class _CLauncherCall:
         launcher = compiled.run
         self.cooperative, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
         self.encode, self.desc_meta = encode, desc_meta
+        self.desc_at = desc_at       # positions of the descriptors among the scalars (fixed by the key)
         self.runtime, self.get_stream = runtime, get_stream
-        self.desc_at = None          # positions of the descriptors among the scalars (fixed by the key)
         self.encoded: dict = {}      # descriptors' tensors' addresses -> the scalars with them encoded
 
     @classmethod
@@ -135,11 +138,11 @@ class _CLauncherCall:
             c_launch = c_launch.__closure__[code.co_freevars.index("launcher")].cell_contents
             if getattr(c_launch, "__code__", None) is not None:
                 return None
-        n_desc = sum(isinstance(s, TensorDesc) for s in scalars)
+        desc_at = tuple(i for i, s in enumerate(scalars) if isinstance(s, TensorDesc))
         desc_meta = getattr(compiled.metadata, "tensordesc_meta", None)
-        if n_desc and (not desc_meta or len(desc_meta) != n_desc or any(m is None for m in desc_meta)):
+        if desc_at and (not desc_meta or len(desc_meta) != len(desc_at) or any(m is None for m in desc_meta)):
             return None
-        return cls(c_launch, compiled, runner, grid, tail, encode, desc_meta, runtime, get_stream)
+        return cls(c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream)
 
     def _hooks_idle(self) -> bool:
         for chain in (self.runtime.launch_enter_hook, self.runtime.launch_exit_hook):
@@ -152,21 +155,17 @@ class _CLauncherCall:
         """``scalars`` with each descriptor replaced by its encoded arguments (the 128-byte TMA descriptor, its
         shape and strides), encoded once per address of the tensors it reads: the key fixes everything else in
         ``scalars``, so the whole tuple is kept per address."""
-        if self.desc_at is None:
-            self.desc_at = tuple(i for i, s in enumerate(scalars) if isinstance(s, TensorDesc))
         if not self.desc_at:
             return scalars
         key = tuple(ptrs[scalars[i].index] for i in self.desc_at)
         out = self.encoded.get(key)
         if out is None:
-            from triton.tools.tensor_descriptor import TensorDescriptor
             out = list(scalars)
             for k, i in reversed(list(enumerate(self.desc_at))):
                 s = scalars[i]
-                desc = TensorDescriptor(tensors[s.index], list(s.shape), list(s.strides), list(s.block_shape))
                 # the encoded arguments hold the address, not the tensor (a cached tensor would be kept alive)
                 out[i:i + 1] = [ptrs[s.index] if a is tensors[s.index] else a
-                                for a in self.encode(desc, self.desc_meta[k])]
+                                for a in self.encode(s.made(tensors), self.desc_meta[k])]
             if len(self.encoded) >= _MAX_ENCODED:
                 self.encoded.clear()
             out = self.encoded[key] = tuple(out)
