@@ -761,6 +761,35 @@ def _train_step(score_fn, loss_fn):
     return step
 
 
+def _graphed_step_ms(m: Machine, step, inputs) -> dict:
+    """The step captured in a CUDA graph and replayed: the GPU's time for it, without Python or launches.
+    ``{"graph_ms": ...}``, or ``{"graph_error": ...}`` for a step that does not capture."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up off the capture (first-call compilation, allocator pools)
+            for _ in range(3):
+                step(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(*inputs)
+        return {"graph_ms": m.timer.median_ms(graph.replay)}
+    except Exception as exc:
+        log.debug("CUDA graph capture failed", exc_info=True)
+        return {"graph_error": _error_text(exc)[:120]}
+    finally:
+        graph = None
+        m.release()
+
+
+def _pytorch_share_ms(m: Machine, shape: TrainShape, loss_fn) -> float:
+    """PyTorch's part of a step alone, eager: the loss and ``autograd.grad`` over a leaf tensor of scores
+    ([Nq, C] fp32). No scoring function can make a step faster than this on the same host."""
+    leaf = torch.zeros((shape.Nq, shape.B), device=m.device, requires_grad=True)
+    return m.timer.median_ms(lambda: torch.autograd.grad(loss_fn(leaf), leaf))
+
+
 def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0, rounds=0) -> list[dict]:
     rows = []
     for shape in shapes:
@@ -856,6 +885,12 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
             log.info("    %-14s %s", key, _brief(row["results"][key]))
         if not m.budget.spent():
             interleave_rounds(m, calls, row["results"], rounds)
+        if m.cuda and not m.budget.spent():
+            # where the eager step's time goes: the GPU's share (each step in a CUDA graph) and PyTorch's
+            row["pytorch_share_ms"] = _pytorch_share_ms(m, shape, loss_fn)
+            for key, (step, step_sets) in calls.items():
+                if row["results"][key].get("ms") is not None:
+                    row["results"][key].update(_graphed_step_ms(m, step, step_sets[0]))
         sets = truth = calls = None  # free this shape's inputs before the next one
         m.release()
     return rows
@@ -1244,6 +1279,37 @@ def training_table(rows: list[dict]) -> list[str]:
     return lines + notes.render()
 
 
+def training_graph_table(rows: list[dict]) -> list[str]:
+    """GPU time of each method's step captured in a CUDA graph, beside PyTorch's share of the eager step (the loss
+    and autograd over a leaf tensor of scores): the two bounds of a host-bound step."""
+    rows = [r for r in rows if r.get("pytorch_share_ms") is not None
+            or any(v.get("graph_ms") is not None for v in r["results"].values())]
+    if not rows:
+        return []
+    keys = [k for k in ("ours", "fmpypi", "lik") if any(k in r["results"] for r in rows)]
+    head = ["training step"] + [_label(k) + " GPU ms" for k in keys] + \
+        ["ours / best peer", "ours eager ms", "PyTorch's share, eager ms", "target ms", "GPU time meets it?"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["name"]]
+        for k in keys:
+            r = row["results"].get(k) or {}
+            cells.append(_fmt_ms(r["graph_ms"]) if r.get("graph_ms") is not None
+                         else ("no graph" if r.get("graph_error") else "–"))
+        ours = row["results"].get("ours") or {}
+        ours_gpu = ours.get("graph_ms")
+        peers = [row["results"][k]["graph_ms"] for k in keys if k != "ours"
+                 and (row["results"].get(k) or {}).get("graph_ms") is not None]
+        cells.append(f"{ours_gpu / min(peers):.2f}" if ours_gpu and peers else "–")
+        cells.append(_fmt_ms(ours.get("ms")))
+        cells.append(_fmt_ms(row.get("pytorch_share_ms")))
+        cells.append(f"≤ {row['target_ms']}" if row.get("target_ms") else "–")
+        cells.append("–" if ours_gpu is None or not row.get("target_ms")
+                     else ("yes" if ours_gpu <= row["target_ms"] else "no"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _training_met(row, ours, ours_ms, best) -> str:
     if ours_ms is None:
         return "no (wrong)" if ours.get("status") == "wrong" else "no (no result)"
@@ -1491,6 +1557,13 @@ def render_markdown(res: dict, plot_prefix: Optional[str] = None) -> str:
     if res.get("training"):
         out += ["### Training step: time (ms, median) / peak memory above inputs (MB)", ""] + \
             training_table(res["training"]) + [""]
+        graphed = training_graph_table(res["training"])
+        if graphed:
+            out += ["### Training step: GPU time (each step captured in a CUDA graph and replayed) and PyTorch's "
+                    "share of the eager step (ms, median)", "",
+                    "A step whose eager time is above both its GPU time and PyTorch's share (the loss and "
+                    "`autograd.grad` over a leaf tensor of scores, timed alone) is bound by the host.", ""] + \
+                graphed + [""]
         out += ["### Training step: correctness (max |Δscore| / gradient relative error against flash_maxsim; "
                 "✗ = flagged)", ""] + correctness_table(res["training"], train=True) + [""]
     if res.get("compressed"):
@@ -1539,6 +1612,9 @@ def summary(res: dict) -> str:
         out += ["", "Forward (ms):"] + forward_table(res["forward"])
     if res.get("training"):
         out += ["", "Training step (ms / MB):"] + training_table(res["training"])
+        graphed = training_graph_table(res["training"])
+        if graphed:
+            out += ["", "Training step, GPU time (CUDA graph) and PyTorch's share (ms):"] + graphed
     if res.get("compressed"):
         out += ["", "Compressed index (ms, bytes, fidelity):"] + compressed_table(res["compressed"])
     return "\n".join(out) + "\n"

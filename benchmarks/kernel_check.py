@@ -334,37 +334,62 @@ def train_table(dev, sweep=False):
 
 TRAIN_AB = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}},
             {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}]
+# the forward that saves the arg-max for the backward (session 15): 128-row programs of 4 warps and 2 stages by
+# default; 256-row programs on 8 warps (what the compute-bound inference rows use), 3 stages
+TRAIN_AB_FWD = [{}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_stages": 3}},
+                {"fwd": {"ROWS": 256, "num_warps": 8, "num_stages": 3}}, {"fwd": {"num_warps": 8}}]
 
 
-def train_ab(dev, rounds=7):
-    """The small (host-bound) training steps, ours under each TRAIN_AB variant and both peers', interleaved round
-    by round so that the host's drift hits all alike; medians."""
-    import statistics
+def _set_overrides(variant):
     from flash_maxsim.kernels import launch
+    for table, key in ((launch.FORWARD_OVERRIDES, "fwd"), (launch.BACKWARD_OVERRIDES, "bwd")):
+        table.clear()
+        table.update((variant or {}).get(key, {}))
+
+
+def train_ab(dev, rounds=7, variants=None):
+    """The small (host-bound) training steps, ours under each variant (TRAIN_AB: {"fwd": FORWARD_OVERRIDES,
+    "bwd": BACKWARD_OVERRIDES}) and both peers', interleaved round by round so that the host's drift hits all
+    alike; medians. Each variant's scores and gradients are compared with the default's first."""
+    import statistics
     from _peers import PEER_KEYS, load_peers
+    variants = TRAIN_AB if variants is None else variants
     peers = load_peers(PEER_KEYS)[0]
     for name, Nq, B, Ld, K in (("colbert B128 32x300", 128, 128, 300, 0), ("colpali B64 32x1030", 64, 64, 1030, 0),
                                ("colbert B64+7neg 32x300", 64, 512, 300, 0), ("KD 64x64 32x300", 64, 64, 300, 64)):
         q, docs, loss_of = training_problem(dev, Nq, B, 32, Ld, K)
-        # label -> (our BACKWARD_OVERRIDES, or None for a peer; the step)
-        steps = {f"ours {v}": (v.get("bwd", {}), lambda: loss_of(fm.maxsim(q, docs)).backward()) for v in TRAIN_AB}
+        # label -> (our overrides, or None for a peer; the step)
+        steps = {f"ours {v}": (v, lambda: loss_of(fm.maxsim(q, docs)).backward()) for v in variants}
         for peer in peers:
             fn = peer.train_scores("kd" if K else "in-batch", None)
             if fn is not None:
                 steps[peer.label] = (None, lambda fn=fn: loss_of(fn(q, docs)).backward())
+        first = None
+        for label, (variant, _) in steps.items():
+            if variant is None:
+                continue
+            _set_overrides(variant)
+            q.grad = docs.grad = None
+            s = fm.maxsim(q, docs)
+            loss_of(s).backward()
+            out = (s.detach().float(), q.grad.float(), docs.grad.float())
+            s = None        # a live autograd graph keeps the leaves' AccumulateGrad nodes, which breaks a capture
+            first = first or out
+            print(f"train-check {name} {label}: max |d scores| {float((out[0] - first[0]).abs().max()):.2e}, "
+                  f"max |d grads| {max(float((a - b).abs().max()) for a, b in zip(out[1:], first[1:])):.2e}",
+                  flush=True)
+        q.grad = docs.grad = None
         times = {k: [] for k in steps}
         for _ in range(rounds):
-            for label, (overrides, fn) in steps.items():
-                launch.BACKWARD_OVERRIDES.clear()
-                launch.BACKWARD_OVERRIDES.update(overrides or {})
+            for label, (variant, fn) in steps.items():
+                _set_overrides(variant)
                 times[label].append(bench(fn))
-        launch.BACKWARD_OVERRIDES.clear()
+        _set_overrides(None)
         # every step (ours under each variant, the peers') captured in a CUDA graph and replayed: the GPU's time
         # without the host's launches
         graphed = {}
-        for label, (overrides, fn) in steps.items():
-            launch.BACKWARD_OVERRIDES.clear()
-            launch.BACKWARD_OVERRIDES.update(overrides or {})
+        for label, (variant, fn) in steps.items():
+            _set_overrides(variant)
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -379,7 +404,7 @@ def train_ab(dev, rounds=7):
             except Exception as exc:     # a peer whose step does not capture: say so
                 graphed[label] = f"no graph ({type(exc).__name__})"
             q.grad = docs.grad = None
-        launch.BACKWARD_OVERRIDES.clear()
+        _set_overrides(None)
         print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
                                                   for k, v in graphed.items()), flush=True)
         print(f"train-ab {name}: " + "  ".join(f"{statistics.median(t):.3f}:{k}" for k, t in times.items()),
@@ -588,7 +613,9 @@ def main():
     ap.add_argument("--fwd-sweep", action="store_true", help="try tile configurations per forward shape")
     ap.add_argument("--profile", action="store_true", help="kernel time breakdown of two training steps")
     ap.add_argument("--host", action="store_true", help="host time per call of small launch-bound calls")
-    ap.add_argument("--train-ab", action="store_true", help="small training steps: TRAIN_AB variants and peers, interleaved")
+    ap.add_argument("--train-ab", nargs="?", const="bwd", choices=("bwd", "fwd"),
+                    help="small training steps: our variants (TRAIN_AB: backward; TRAIN_AB_FWD: the forward that "
+                         "saves the arg-max) and the peers, interleaved")
     ap.add_argument("--no-train", action="store_true", help="skip the training table")
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
@@ -609,7 +636,7 @@ def main():
     if args.host:
         host_table(dev)
     if args.train_ab:
-        train_ab(dev)
+        train_ab(dev, variants=TRAIN_AB_FWD if args.train_ab == "fwd" else TRAIN_AB)
     if args.int8:
         int8_table(dev)
         from flash_maxsim.kernels.forward import maxsim_fwd_kernel
