@@ -87,7 +87,11 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"TMA_DOCS": True, "PROGRAMS_PER_SM": 16, "MAXNREG": 128},
             {"TMA_DOCS": True, "PROGRAMS_PER_SM": 8, "MAXNREG": 128, "num_stages": 4},
             # 54-55: 8 warps on the 1x1k 128-row runs of whole tiles, with TMA copies or 4 stages
-            {"num_warps": 8, "TMA_DOCS": True}, {"num_warps": 8, "num_stages": 4}]
+            {"num_warps": 8, "TMA_DOCS": True}, {"num_warps": 8, "num_stages": 4},
+            # 56-58 (session 15): int8 x int8 sums read as fp32 bits instead of converted (no I2FP per similarity:
+            # 449 against 565 instructions per 128x128 tile on Triton 3.6's sm_90 SASS), alone and with the 2 or 4
+            # stages the shorter loop may prefer
+            {"BITCAST_SUMS": True}, {"BITCAST_SUMS": True, "num_stages": 2}, {"BITCAST_SUMS": True, "num_stages": 4}]
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)
 

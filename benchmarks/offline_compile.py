@@ -2,8 +2,9 @@
 problems that covers its tile choices (bandwidth- and compute-bound scoring, long documents split over programs,
 the several-documents loop, int8 x int8 products, converted int8 / fp8, CUDA-core fp32, masks, ragged, paired,
 smooth max, training forward and backward), compiled by Triton for the target down to a cubin, and reported:
-registers, local memory (spills), shared memory, the tensor-core instructions in the PTX, and a digest of the
-code (equal before and after a refactor: the compiled kernels did not change).
+registers, local memory (spills), shared memory, the tensor-core instructions in the PTX, the instructions of each
+innermost loop in the SASS (per iteration and thread: a tile loop's cost, counted before and after a change), and a
+digest of the code (equal before and after a refactor: the compiled kernels did not change).
 
     python benchmarks/offline_compile.py [--arch 90] [--sms 132] [--only TEXT] [--json OUT.json]
 
@@ -121,6 +122,16 @@ CASES = [
                                                                   None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
+    # the sums read as fp32 bits instead of converted (an option: kernels/forward.py, _tile_similarities)
+    Case("int8 1x4k 1024x1024 bit-cast sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
+         forward_overrides={"BITCAST_SUMS": True}),
+    Case("int8 1x3k 32x300 bit-cast sums", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None),
+         forward_overrides={"BITCAST_SUMS": True}),
+    Case("int8 1x4k 1030x1030 masked bit-cast sums (straddling)",
+         lambda: (_q(1, 1030, 128), _quantized(4000, 1030, 128, mask=True), None, None),
+         forward_overrides={"BITCAST_SUMS": True}),
+    Case("int8 1x4k 1030x1030 masked (straddling)",
+         lambda: (_q(1, 1030, 128), _quantized(4000, 1030, 128, mask=True), None, None)),
     Case("int8 d=16 (products over 32 zero-padded features)", lambda: (_q(3, 4, 16), _quantized(7, 9, 16),
                                                                       None, None)),
     Case("int8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128), None, None),
@@ -239,6 +250,41 @@ def _resource_usage(cubin: bytes) -> dict:
             "stack_bytes": usage.get("stack", -1)}
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+def sass_loops(sass: str) -> list:
+    """The innermost loops of a kernel's SASS (a backward branch and the instructions it jumps back over, holding no
+    other such loop), each as ``{"instructions": n, "ops": {opcode: count}}``, longest first: what one iteration
+    of a tile loop issues per thread, to count before and after a kernel change without a GPU."""
+    code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+    spans = []
+    for addr, text in code:
+        m = _BACK_BRANCH.search(text)
+        if m and m.group(1) and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr))
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    loops = []
+    for lo, hi in sorted(set(inner)):
+        ops: dict = {}
+        for addr, text in code:
+            if lo <= addr <= hi:
+                op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+                ops[op] = ops.get(op, 0) + 1
+        loops.append({"instructions": sum(ops.values()), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))})
+    return sorted(loops, key=lambda loop: -loop["instructions"])
+
+
+def _sass(cubin: bytes) -> str:
+    from triton.backends.nvidia import compiler as nvidia_compiler
+    tool = os.path.join(os.path.dirname(nvidia_compiler.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
 def compile_launch(call, target: GPUTarget) -> dict:
     """Compile one recorded launch for ``target`` as Triton would on that GPU (same specialisation of every
     argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16)."""
@@ -253,10 +299,10 @@ def compile_launch(call, target: GPUTarget) -> dict:
     md = compiled.metadata
     return {"kernel": kernel.__name__, "grid": list(grid), "num_warps": md.num_warps, "num_stages": md.num_stages,
             "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
-            **_resource_usage(compiled.asm["cubin"])}
+            **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_sass(compiled.asm["cubin"]))}
 
 
-_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX",
+_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX",
                "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
 
 
@@ -285,8 +331,10 @@ def run_cases(cases, arch: int, sms: int, log=print) -> list:
             if "error" in row:
                 log(f"FAIL {case.name} {row['kernel']}: {row['error']}")
             else:
+                loops = "/".join(str(loop["instructions"]) for loop in row["loops"][:3])
                 log(f"ok   {case.name:45s} {row['kernel']:28s} warps={row['num_warps']} regs={row['registers']:3d} "
-                    f"local={row['local_bytes']} smem={row['shared_bytes']} mma={row['mma']} ({row['compile_s']} s)")
+                    f"local={row['local_bytes']} smem={row['shared_bytes']} mma={row['mma']} loops={loops} "
+                    f"({row['compile_s']} s)")
     return rows
 
 

@@ -135,6 +135,20 @@ def main():
         check("int8 compute-bound grid, straddling tiles", compute_straddling,
               reference.maxsim(queries_as_scored(long_q, index).double(), index.dequantize(torch.float64), long_qm),
               1e-5)
+        # the same grid with the sums read as fp32 bits: the first pass alone (bit for bit the converted sums'), and
+        # with its exact second pass (a document against which a query token's every sum is negative)
+        negative = torch.randn(11, 300, 128, device=dev, dtype=bf)
+        negative[5] = -negative[5].abs()
+        neg_q = long_q.clone()
+        neg_q[0, 7] = neg_q[0, 7].abs()
+        neg_index = fm.quantize(negative)
+        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                               MAXNREG=168, TMA_DOCS=True, BITCAST_SUMS=True):
+            bitcast_whole, bitcast_redo = fm.maxsim(long_q, whole, long_qm), fm.maxsim(neg_q, neg_index, long_qm)
+        check("int8 compute-bound grid, bit-cast sums", bitcast_whole, compute_whole.double(), 0.0)
+        check("int8 compute-bound grid, bit-cast sums redone", bitcast_redo,
+              reference.maxsim(queries_as_scored(neg_q, neg_index).double(), neg_index.dequantize(torch.float64),
+                               long_qm), 1e-5)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -99,6 +99,27 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
         assert set(row["mma"]) == {"mma.sync bf16"}, (case, row["mma"])
 
 
+def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
+    """The int8 compute-bound grid's tile loop (128 x 128 similarities over 128 threads: 128 per thread) with the
+    sums read as fp32 bits: no int-to-float conversion left, one fewer instruction per similarity than with the
+    converted sums; the exact second pass is a loop of its own, not inside the first (which stays pipelined: the
+    same shared memory)."""
+    _, rows = hopper
+    converted = _by_case(rows, "int8 1x4k 1024x1024 (runs of documents by TMA)")
+    bitcast = _by_case(rows, "int8 1x4k 1024x1024 bit-cast sums")
+    assert bitcast["meta"]["BITCAST_SUMS"] and bitcast["meta"]["Q_QUANTIZED"] and bitcast["meta"]["TMA_DOCS"]
+    assert not converted["meta"]["BITCAST_SUMS"]
+    # the longest loop issuing tensor-core products: the loop over document tiles
+    before = next(loop for loop in converted["loops"] if any(op.startswith("IGMMA") for op in loop["ops"]))
+    conversions = sum(n for op, n in before["ops"].items() if op.startswith("I2F"))
+    assert conversions >= 128
+    first_pass = next(loop for loop in bitcast["loops"] if any(op.startswith("IGMMA") for op in loop["ops"])
+                      and not any(op.startswith("I2F") for op in loop["ops"]))
+    assert first_pass["instructions"] <= before["instructions"] - 96, (first_pass, before)
+    assert any(any(op.startswith("I2F") for op in loop["ops"]) for loop in bitcast["loops"])   # the second pass
+    assert bitcast["shared_bytes"] == converted["shared_bytes"] and bitcast["local_bytes"] == 0
+
+
 def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):
     for case in ("bf16 64x1k 32x300 (256 rows)", "bf16 1x300 1024x1024 (256 rows)"):
         row = _by_case(hopper[1], case)

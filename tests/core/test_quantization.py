@@ -323,3 +323,112 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
     want = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64))
     torch.testing.assert_close(aligned_scores.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(misaligned_scores, aligned_scores, rtol=0, atol=0)
+
+
+def _scores_with(monkeypatch, q, index, qm=None, masked="exclude", **knobs):
+    """Scores through the kernels with these FORWARD_OVERRIDES knobs (and only these), and the one plan used."""
+    from flash_maxsim.kernels import launch
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(knobs))
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    with force_backend("triton"):
+        got = fm.maxsim(q, index, qm, masked=masked)
+    (plan,) = launch._FORWARD_PLANS.values()
+    return got, plan
+
+
+# what the int8 x int8 grids' runs of documents look like at test size: 3 documents per program, 32-row tiles
+_RUNS = dict(DOCS=3, PROGRAMS_PER_SM=0, ROWS=32)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")      # the interpreter's max over the NaN of negative sums
+@pytest.mark.parametrize("length, masked, knobs", [
+    (70, "exclude", {}), (70, "zero", {"QUANTIZE_FIRST": True, "TMA_DOCS": True}),
+    (128, "exclude", {"PREFETCH_TOKENS": True, "TMA_DOCS": True}), (128, "zero", {"QUANTIZE_FIRST": True})],
+    ids=["straddling-exclude", "straddling-zero-tma", "whole-tiles-prefetched-tma", "whole-tiles-zero"])
+def test_bitcast_sums_score_bit_for_bit_like_converted_sums(length, masked, knobs, monkeypatch, seed):
+    """``BITCAST_SUMS`` reads each int8 x int8 sum's bits as an fp32 denormal and scales it by the token's scale
+    times 2^100 (kernels/forward.py, ``_tile_similarities``): negative sums become NaN, which the max drops, and a
+    second, exact pass redoes a program whose documents leave a row without a non-negative similarity. Scores are
+    bit for bit those of the converted sums, in runs of documents whose tiles straddle two documents or not, with
+    the scales and mask loaded a tile ahead, queries quantised before the launch, TMA copies, both masked modes,
+    a document with no valid token and one against which a query token's every sum is negative."""
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 16, 64, generator=g)
+    docs = torch.randn(5, length, 64, generator=g)
+    docs[2] = -docs[2].abs()
+    q[0, 3] = q[0, 3].abs()                                  # every sum of query 0's token 3 with document 2 < 0
+    dm = torch.rand(5, length, generator=g) > 0.3
+    dm[1] = False                                            # no valid token
+    qm = torch.rand(3, 16, generator=g) > 0.2
+    qm[0, 3] = True
+    index = fm.quantize(docs.to(dev), dm.to(dev))
+    q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
+    want, plan = _scores_with(monkeypatch, q, index, qm, masked, **_RUNS, **knobs)
+    assert plan.meta["FLAT_RUN"] and not plan.meta["BITCAST_SUMS"]
+    got, plan = _scores_with(monkeypatch, q, index, qm, masked, BITCAST_SUMS=True, **_RUNS, **knobs)
+    assert plan.meta["BITCAST_SUMS"] and plan.meta["STRADDLE"] == (length == 70)
+    assert torch.equal(got, want)
+    ref = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), qm, dm.to(dev),
+                           masked=masked)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice", "ignore:overflow encountered")
+def test_bitcast_sums_redo_what_they_cannot_hold(monkeypatch):
+    """Scales outside the range where the bit-cast product is exact (a token of huge values, a token of tiny ones,
+    a NaN token: scale NaN) and a query scale that the 2^49 restoring the max would overflow: the second, exact
+    pass makes the scores bit for bit the converted sums', NaN where the NaN token is used. Without that pass
+    (``BITCAST_REDO`` off, a test knob) the same inputs come out wrong, while ordinary queries and documents come
+    out right: the first pass alone is exact where nothing needs redoing."""
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    g = torch.Generator().manual_seed(29)
+    q = torch.randn(2, 16, 32, generator=g)
+    docs = torch.randn(6, 64, 32, generator=g)
+    ordinary = (q.to(dev, torch.bfloat16), fm.quantize(docs.to(dev)))
+    docs[1, 5] *= 1e12                  # scale ~8e9 >= 2^28
+    docs[3, 7] *= 1e-27                 # scale ~1e-29 < 2^-77
+    docs[4, 9, 3] = float("nan")
+    q[1, 2] *= 1e26                     # query scale ~8e23 >= 2^79: times 2^49 it would pass fp32's largest
+    unusual = (q.to(dev, torch.bfloat16), fm.quantize(docs.to(dev)))
+    for (queries, index), redo_needed in ((unusual, True), (ordinary, False)):
+        want, _ = _scores_with(monkeypatch, queries, index, **_RUNS)
+        got, plan = _scores_with(monkeypatch, queries, index, BITCAST_SUMS=True, **_RUNS)
+        assert plan.meta["BITCAST_SUMS"]
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        if redo_needed:     # NaN exactly where the NaN token's document is scored
+            assert torch.equal(want.isnan().any(0), torch.arange(6, device=dev) == 4)
+        else:
+            assert want.isfinite().all()
+        alone, plan = _scores_with(monkeypatch, queries, index, BITCAST_SUMS=True, BITCAST_REDO=False, **_RUNS)
+        assert plan.meta["BITCAST_REDO"] is False
+        assert torch.equal(alone.nan_to_num(), want.nan_to_num()) != redo_needed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("length, masked", [(1024, False), (1030, True)], ids=["whole-tiles", "straddling-masked"])
+def test_bitcast_sums_on_the_compute_bound_grid(length, masked, monkeypatch, seed):
+    """At the size that picks the compute-bound int8 grid (1024 query tokens against 300 long documents: 128-row
+    programs over runs of 128-token tiles, queries quantised before the launch, TMA copies on Hopper), bit-cast
+    sums score bit for bit like converted ones, a document that sends one query token's every sum below zero
+    included."""
+    from flash_maxsim.kernels import launch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 1024, 128, generator=g, device="cuda")
+    docs = torch.randn(300, length, 128, generator=g, device="cuda")
+    docs[7] = -docs[7].abs()
+    q[0, 5] = q[0, 5].abs()
+    dm = (torch.rand(300, length, generator=g, device="cuda") > 0.2) if masked else None
+    index = fm.quantize(docs.bfloat16(), dm)
+    q = q.bfloat16()
+    want, plan = _scores_with(monkeypatch, q, index)
+    assert plan.meta["Q_QUANTIZED"] and plan.meta["FLAT_RUN"] and plan.meta["STRADDLE"] == (length == 1030)
+    got, plan = _scores_with(monkeypatch, q, index, BITCAST_SUMS=True)
+    assert plan.meta["BITCAST_SUMS"] and plan.meta["Q_QUANTIZED"]
+    assert torch.equal(got, want)
+    ref = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), None, dm)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)

@@ -8,6 +8,9 @@ the document ``BLOCK_N`` tokens at a time, computes the similarity tile ``S = Q_
 (tensor cores through ``tl.dot``), applies the masks and folds the tile into a running max (hard) or a running
 log-sum-exp (smooth). Nothing of size rows x Ld leaves the chip.
 
+int8 x int8 products may skip the int-to-float conversion of their sums (``BITCAST_SUMS``, see
+``_tile_similarities``): the hard max over runs of documents, with an exact second pass where that falls short.
+
 Writes, per program and document, ``QPB`` partial scores (one per query) into ``OUT[split, q, col]`` and, when
 the caller will differentiate, one auxiliary value per row into ``AUX[q, col, token]``: the index of the first arg-max
 document token (-1: no gradient) or the row's log-sum-exp (+inf: no gradient).
@@ -33,7 +36,7 @@ def _similarity_tile(
     stride_qd, stride_dd, d,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     INT_DOT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
-    D_DESC=None, tma_row=0, TMA: tl.constexpr = False,
+    D_DESC=None, tma_row=0, TMA: tl.constexpr = False, BITCAST_SUMS: tl.constexpr = False,
 ):
     """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only: int8 x int8 products summed
     exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
@@ -41,7 +44,9 @@ def _similarity_tile(
     all exist) or ``WHOLE_TILE_MASKS`` (masked loads anyway: faster for some tiles); ``EVEN_D``: d == BLOCK_D, no
     feature mask (one d-chunk only). ``TMA`` (a whole tile): the tile is rows ``tma_row + [0, BLOCK_N)`` of the
     documents' ``[tokens, d]`` tensor descriptor ``D_DESC`` (a bulk copy: no per-thread addresses; the features past
-    d, when d < BLOCK_D, arrive as zeros)."""
+    d, when d < BLOCK_D, arrive as zeros). ``BITCAST_SUMS`` (``INT_DOT``): the int32 sums are returned as the fp32
+    numbers their bits spell, ``sum * 2^-149`` where ``0 <= sum < 2^23`` (denormals; NaN or -inf where the sum is
+    negative), not converted: see ``_tile_similarities``."""
     if D_CHUNKS == 1:
         d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
         if TMA:
@@ -54,7 +59,9 @@ def _similarity_tile(
             d_tile = tl.load(d_ptrs, mask=(d_cols0 < d)[None, :], other=0.0)
         # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents)
         d_tile = d_tile.to(q_tile.dtype)
-        if INT_DOT:
+        if INT_DOT and BITCAST_SUMS:
+            s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32, bitcast=True)
+        elif INT_DOT:
             s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
         else:
             s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
@@ -98,12 +105,21 @@ def _tile_similarities(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
     sc_loaded=None, dm_loaded=None, PRELOADED: tl.constexpr = False, D_DESC=None, tma_row=0,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, BITCAST_SUMS: tl.constexpr = False,
 ):
     """The similarities of every row with the document tokens ``n`` (scaled, masked: -inf where a token does not
-    count). ``PARTIAL``: the tile may run past the slice's end ``n_hi`` (only the last one); whole tiles skip that
-    per-element test, in the loads too. ``PRELOADED`` (whole tiles only): the tokens' scales and mask values were
-    loaded by the caller (``sc_loaded``, ``dm_loaded``), a tile ahead."""
+    count), and the tokens' scales (quantized documents; else a placeholder). ``PARTIAL``: the tile may run past the
+    slice's end ``n_hi`` (only the last one); whole tiles skip that per-element test, in the loads too.
+    ``PRELOADED`` (whole tiles only): the tokens' scales and mask values were loaded by the caller (``sc_loaded``,
+    ``dm_loaded``), a tile ahead.
+
+    ``BITCAST_SUMS`` (int8 x int8 products, hard max): similarity (i, j) is ``sum_ij * 2^-149 * (scale_j * 2^100)``,
+    the int32 sum's bits read as an fp32 denormal times the boosted scale, which is ``round(scale_j * sum_ij) *
+    2^-49`` exactly where ``sum_ij >= 0`` and ``scale_j`` is 0 or in [2^-77, 2^28) (the product is a normal number:
+    one rounding, scaled by a power of two), and NaN or -inf where ``sum_ij < 0``. A max that drops NaN then gives
+    each row's largest non-negative similarity times 2^-49 for one instruction per similarity (a multiply) instead
+    of two (a conversion and a multiply): the caller restores the 2^49, and redoes exactly whatever this cannot
+    hold (a row with no non-negative similarity in a document, a scale outside the range)."""
     in_range = n < n_hi
     if HAS_SCALES and QUANTIZE_Q:
         # int8 x int8 products: the scales are loaded before the products, so that their latency overlaps the wait
@@ -114,12 +130,18 @@ def _tile_similarities(
         sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
-                         WHOLE_TILE_MASKS, D_DESC, tma_row, TMA)
+                         WHOLE_TILE_MASKS, D_DESC, tma_row, TMA, BITCAST_SUMS)
     if HAS_SCALES:
         # quantized documents: scales share the mask's layout (per document token)
         if not QUANTIZE_Q:
             sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
-        s = s * sc[None, :]
+        if BITCAST_SUMS:
+            # 2^100: a power of two, so the boost is exact; taken on the scales (one per token), not per similarity
+            s = s * (sc * 1.2676506002282294e30)[None, :]
+        else:
+            s = s * sc[None, :]
+    else:
+        sc = in_range       # no scales: a placeholder the callers ignore
     if QUANTIZE_Q and SMOOTH:
         # quantized queries: the hard max applies the (non-negative) row scale once at the end; the smooth max
         # needs the true similarities in its exponentials
@@ -141,14 +163,19 @@ def _tile_similarities(
                 s = tl.where(valid[None, :], s, float("-inf"))
     elif PARTIAL:
         s = tl.where(in_range[None, :], s, float("-inf"))
-    return s
+    return s, sc
 
 
 @triton.jit
 def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DROP_NAN: tl.constexpr = False):
     """Folds a tile of similarities (tokens ``n0 + [0, BLOCK_N)``) into each row's running max, or running
-    log-sum-exp (``m``, ``acc``), and first arg-max (``arg``, with ``SAVE_AUX``)."""
+    log-sum-exp (``m``, ``acc``), and first arg-max (``arg``, with ``SAVE_AUX``). ``DROP_NAN`` (hard max, bit-cast
+    sums): the max ignores NaN (the negative sums), as IEEE maxNum does, for the same one instruction."""
+    if DROP_NAN:
+        tile_max = tl.max(s, 1)
+        m = tl.maximum(m, tile_max)
+        return m, acc, arg
     tile_max = tl.reduce(s, 1, _max_propagating_nan)
     if SMOOTH:
         m_new = _max_propagating_nan(m, tile_max)
@@ -179,10 +206,18 @@ def _fold_tile(
     EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
 ):
     """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row."""
-    s = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
-                           stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q, HAS_DMASK,
-                           ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D, WHOLE_TILE_MASKS)
+    s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                              q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
+                              HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D,
+                              WHOLE_TILE_MASKS)
     return _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, SAVE_AUX, BLOCK_N)
+
+
+@triton.jit
+def _exact_scales(sc):
+    """Per token: whether bit-cast sums scaled by this scale are exact (``_tile_similarities``): 0, or in
+    [2^-77, 2^28) (not NaN, infinite, negative, or so small or large that a product leaves fp32's normal range)."""
+    return (sc == 0.0) | ((sc >= 6.617444900424222e-24) & (sc < 268435456.0))
 
 
 @triton.jit
@@ -195,22 +230,27 @@ def _fold_run_tile(
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
     sc_loaded, dm_loaded, PRELOADED: tl.constexpr, D_DESC, tma_row, TMA: tl.constexpr,
+    miss, bad, BITCAST_SUMS: tl.constexpr,
 ):
     """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
     ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
     end close document ``tj`` (its score is written), the rest open the next one. Not ``STRADDLE``: documents
-    of whole tiles, whose ends fall on tile ends. ``PRELOADED``: the tile's scales / mask values are given."""
-    s = _tile_similarities(n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-                           q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
-                           HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D, False,
-                           sc_loaded, dm_loaded, PRELOADED, D_DESC, tma_row, TMA)
+    of whole tiles, whose ends fall on tile ends. ``PRELOADED``: the tile's scales / mask values are given.
+    ``BITCAST_SUMS``: ``miss`` (per row) and ``bad`` (per token column) are set where the bit-cast similarities
+    cannot hold the exact score: a row whose document had no non-negative similarity, a scale out of range."""
+    s, sc = _tile_similarities(n, run_len, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                               q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES,
+                               QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                               EVEN_D, False, sc_loaded, dm_loaded, PRELOADED, D_DESC, tma_row, TMA, BITCAST_SUMS)
+    if BITCAST_SUMS:
+        bad = tl.where(_exact_scales(sc), bad, 1)
     in_doc = (doc_end - n0).to(tl.int32)      # tokens of this tile that belong to document tj (>= 1)
     # documents of whole tiles: every tile lies in one document (a compile-time True: no runtime branch)
     in_one_doc = True
     if STRADDLE:
         in_one_doc = in_doc >= BLOCK_N
     if in_one_doc:
-        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N)
+        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N, BITCAST_SUMS)
         ends = in_doc == BLOCK_N
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
         acc_next = tl.zeros(acc.shape, dtype=tl.float32)
@@ -218,20 +258,22 @@ def _fold_run_tile(
         # both parts folded before the score is written
         first = (tl.arange(0, BLOCK_N) < in_doc)[None, :]
         m, acc, arg = _fold_similarities(m, acc, arg, tl.where(first, s, float("-inf")), n0, inv_tau_log2e,
-                                         SMOOTH, False, BLOCK_N)
+                                         SMOOTH, False, BLOCK_N, BITCAST_SUMS)
         m_next, acc_next, arg = _fold_similarities(tl.full(m.shape, float("-inf"), dtype=tl.float32),
                                                    tl.zeros(acc.shape, dtype=tl.float32), arg,
                                                    tl.where(first, float("-inf"), s), n0, inv_tau_log2e,
-                                                   SMOOTH, False, BLOCK_N)
+                                                   SMOOTH, False, BLOCK_N, BITCAST_SUMS)
         ends = True
     if ends:
+        if BITCAST_SUMS:
+            miss = tl.where(m == float("-inf"), 1, miss)
         _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc, QPB, TOKB)
         m = m_next
         acc = acc_next
         tj += 1
         doc_end += Ld
-    return m, acc, arg, tj, doc_end
+    return m, acc, arg, tj, doc_end, miss, bad
 
 
 @triton.jit
@@ -260,6 +302,76 @@ def _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, str
 
 
 @triton.jit
+def _score_run(
+    t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, q_scale, q0, Nq, split, OUT,
+    tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d, inv_tau_log2e,
+    stride_os, stride_on, stride_oc, D_DESC, miss,
+    HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr, ZERO_MASKED: tl.constexpr,
+    SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr,
+    STRADDLE: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
+    """Scores the ``n_here`` documents of program group ``t`` (padded, end to end in memory, each at least one tile
+    long) as one run of tokens, in tiles that may straddle two documents (``FLAT_RUN``). Tile i starts at token
+    i * BLOCK_N of the run (the loads of later tiles are issued ahead; no division, no wasted partial tile per
+    document); only the run's last tile can be partial. Returns ``miss`` and ``bad`` (``_fold_run_tile``).
+    ``LOOP_STAGES``: the loop's software-pipelining stages (None: the kernel's; 1 for the bit-cast sums' rare second
+    pass, so that it takes no shared memory of its own beside the first pass's buffers)."""
+    BLOCK_M: tl.constexpr = QPB * TOKB
+    cols64 = tl.arange(0, BLOCK_N).to(tl.int64)    # token offsets times strides may pass 2^31
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
+    arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
+    bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    tj = t * docs_per_program
+    run_d = tj * stride_dt
+    run_row = tj * Ld                  # the run's first row of the [tokens, d] descriptor (TMA_DOCS)
+    run_m = tj * stride_dmt
+    zero64 = t * 0                 # int64: a run's token offsets may pass 2^31
+    run_len = (zero64 + n_here) * Ld
+    doc_end = zero64 + Ld
+    n_whole = (run_len // BLOCK_N).to(tl.int32)
+    # the per-token scales / mask values of each whole tile are loaded a tile ahead: the pipeliner issues
+    # the document tiles' loads early but not these, whose latency the tile's products did not cover
+    sc_next = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dm_next = tl.zeros((BLOCK_N,), dtype=tl.uint8)
+    if PREFETCH_TOKENS:
+        if HAS_SCALES:
+            sc_next = tl.load(SCALES + run_m + cols64 * stride_dml)
+        if HAS_DMASK:
+            dm_next = tl.load(DMASK + run_m + cols64 * stride_dml)
+    for i in tl.range(0, n_whole, num_stages=LOOP_STAGES):
+        n0 = (zero64 + i) * BLOCK_N
+        sc_tile = sc_next
+        dm_tile = dm_next
+        if PREFETCH_TOKENS:
+            # the next whole tile's (this one's again after the last: a valid address, never used)
+            n_next = (zero64 + tl.minimum(i + 1, n_whole - 1)) * BLOCK_N + cols64
+            if HAS_SCALES:
+                sc_next = tl.load(SCALES + run_m + n_next * stride_dml)
+            if HAS_DMASK:
+                dm_next = tl.load(DMASK + run_m + n_next * stride_dml)
+        m, acc, arg, tj, doc_end, miss, bad = _fold_run_tile(
+            m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
+            tl.arange(0, BLOCK_D), DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd,
+            stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
+            False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
+            PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS,
+            D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS, miss, bad, BITCAST_SUMS)
+    if STRADDLE and n_whole * BLOCK_N < run_len:
+        n0 = (zero64 + n_whole) * BLOCK_N
+        m, acc, arg, tj, doc_end, miss, bad = _fold_run_tile(
+            m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
+            tl.arange(0, BLOCK_D), DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd,
+            stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
+            True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
+            PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False, D_DESC, 0, False,
+            miss, bad, BITCAST_SUMS)
+    return miss, bad
+
+
+@triton.jit
 def maxsim_fwd_kernel(
     Q, D, QMASK, DMASK, OFFSETS, OUT, AUX, SCALES, QSCALES, D_DESC,
     Nq, Lq, d, Ld, K, n_docs, docs_per_program,
@@ -278,7 +390,7 @@ def maxsim_fwd_kernel(
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PEEL_TAIL: tl.constexpr,
     MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
     WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
-    TMA_DOCS: tl.constexpr,
+    TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr = False, BITCAST_REDO: tl.constexpr = True,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -357,53 +469,34 @@ def maxsim_fwd_kernel(
         # the last program's group may hold fewer documents
         n_here = tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32)
         if FLAT_RUN:
-            # the group's documents (and their scales / mask) lie end to end in memory, each at least one tile
-            # long: the group is one run of tokens in tiles that may straddle two documents. Tile i starts at
-            # token i * BLOCK_N of the run (the loads of later tiles are issued ahead; no division, no wasted
-            # partial tile per document); only the run's last tile can be partial
-            tj = t * docs_per_program
-            run_d = tj * stride_dt
-            run_row = tj * Ld                  # the run's first row of the [tokens, d] descriptor (TMA_DOCS)
-            run_m = tj * stride_dmt
-            zero64 = t * 0                 # int64: a run's token offsets may pass 2^31
-            run_len = (zero64 + n_here) * Ld
-            doc_end = zero64 + Ld
-            n_whole = (run_len // BLOCK_N).to(tl.int32)
-            # the per-token scales / mask values of each whole tile are loaded a tile ahead: the pipeliner issues
-            # the document tiles' loads early but not these, whose latency the tile's products did not cover
-            sc_next = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            dm_next = tl.zeros((BLOCK_N,), dtype=tl.uint8)
-            if PREFETCH_TOKENS:
-                if HAS_SCALES:
-                    sc_next = tl.load(SCALES + run_m + cols64 * stride_dml)
-                if HAS_DMASK:
-                    dm_next = tl.load(DMASK + run_m + cols64 * stride_dml)
-            for i in range(0, n_whole):
-                n0 = (zero64 + i) * BLOCK_N
-                sc_tile = sc_next
-                dm_tile = dm_next
-                if PREFETCH_TOKENS:
-                    # the next whole tile's (this one's again after the last: a valid address, never used)
-                    n_next = (zero64 + tl.minimum(i + 1, n_whole - 1)) * BLOCK_N + cols64
-                    if HAS_SCALES:
-                        sc_next = tl.load(SCALES + run_m + n_next * stride_dml)
-                    if HAS_DMASK:
-                        dm_next = tl.load(DMASK + run_m + n_next * stride_dml)
-                m, acc, arg, tj, doc_end = _fold_run_tile(
-                    m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
-                    d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
-                    stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
-                    False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS,
-                    D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS)
-            if STRADDLE and n_whole * BLOCK_N < run_len:
-                n0 = (zero64 + n_whole) * BLOCK_N
-                m, acc, arg, tj, doc_end = _fold_run_tile(
-                    m, acc, arg, tj, doc_end, n0, n0 + cols64, run_len, q_tile, Q, q_row_off, row_ok, D, run_d,
-                    d_cols0, DMASK, SCALES, run_m, q_scale, q0, Nq, split, OUT, Ld, tau, stride_qd, stride_dl,
-                    stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
-                    True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False, D_DESC, 0, False)
+            if BITCAST_SUMS:
+                # bit-cast sums (int8 x int8, hard max): every row's max comes out times 2^-49, so the row scale is
+                # boosted by 2^49 (exact; a scale at or above 2^79 would overflow: its rows are redone)
+                miss = tl.where(row_ok & (q_scale >= 6.044629098073146e23) & (q_scale < float("inf")), 1, 0)
+                miss, bad = _score_run(
+                    t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES,
+                    q_scale * 562949953421312.0, q0, Nq, split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd,
+                    stride_dmt, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
+                    HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                    BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, True, None)
+                # what the bit-cast sums could not hold (in practice: a document with no valid token, whose rows
+                # stay at -inf): the program's documents again, with converted sums, overwriting their scores
+                redo = tl.max(tl.where(row_ok, miss, 0), 0) + tl.max(bad, 0) > 0
+                if BITCAST_REDO and redo:
+                    tl.debug_barrier()
+                    _score_run(
+                        t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, q_scale,
+                        q0, Nq, split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml,
+                        d, inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
+                        HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                        BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, False, False, False, 1)
+            else:
+                _score_run(
+                    t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, q_scale, q0, Nq,
+                    split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d,
+                    inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, row_ok,
+                    HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                    BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, False, None)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):
