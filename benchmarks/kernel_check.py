@@ -252,7 +252,10 @@ def forward_table(dev, quick, sweep):
 # gradient split, stages, sorted dD, forward tiles, dD tiles and warps, a gathered-hits dD) are in
 # benchmarks/results/run14, run16 and run17
 TRAIN_SWEEP = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}}, {"bwd": {"FUSED": True, "FUSED_STAGES": 2}},
-               {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}]
+               {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}},
+               # session 15: the hard-max dD from each document's entries sorted in its program (kernels/backward.py,
+               # maxsim_bwd_dd_sorted_kernel), its chunk loop unpipelined or on 2 stages
+               {"bwd": {"DD_METHOD": "sorted"}}, {"bwd": {"DD_METHOD": "sorted", "DD_STAGES": 2}}]
 
 
 def training_problem(dev, Nq, B, Lq, Ld, K):
@@ -333,7 +336,7 @@ def train_table(dev, sweep=False):
 
 
 TRAIN_AB = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}},
-            {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}]
+            {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DD_METHOD": "sorted"}}]
 # the forward that saves the arg-max for the backward (session 15): 128-row programs of 4 warps and 2 stages by
 # default; 256-row programs on 8 warps (what the compute-bound inference rows use), 3 stages
 TRAIN_AB_FWD = [{}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_stages": 3}},

@@ -152,6 +152,12 @@ CASES = [
     Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
     Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
          backward_overrides={"DD_METHOD": "sparse"}),
+    # the sorted dD (an option): each document's arg-max entries sorted in its program (8192 at ColPali B256)
+    Case("train bf16 ColPali B256 sorted dD", lambda: (_q(256, 32, 128), _docs(256, 1030, 128), None, None),
+         training=True, backward_overrides={"DD_METHOD": "sorted"}),
+    Case("train bf16 KD 8x8 paired sorted dD", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
+                                                        None, None), training=True,
+         backward_overrides={"DD_METHOD": "sorted"}),
     Case("train bf16 dD, gradient not split", lambda: (_q(4, 32, 128), _docs(8, 300, 128), _mask(4, 32),
                                                         _mask(8, 300)), training=True,
          backward_overrides={"G_SPLIT": False, "DD_STAGES": 2}),
@@ -302,8 +308,9 @@ def compile_launch(call, target: GPUTarget) -> dict:
             **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_sass(compiled.asm["cubin"]))}
 
 
-_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH", "SAVE_AUX",
-               "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL", "MULTI_DOC")
+_SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",
+               "SAVE_AUX", "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL",
+               "MULTI_DOC")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

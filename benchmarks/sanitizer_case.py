@@ -55,6 +55,19 @@ def main():
     out = fm.maxsim(q, fm.PackedDocuments(vals, packed.offsets, packed.max_length), smooth_tau=0.2)
     out.sum().backward()
     check("packed smooth", out, reference.maxsim(q.detach(), ragged, smooth_tau=0.2), 1e-5)
+    # the sorted hard-max dD (an option): in-batch with masks (d = 96 padded to 128 features), per-query
+    # candidates, packed documents with an empty one; its documents' gradient against the dense kernel's
+    for name, docs, mask in (("in-batch", d, dm), ("candidates", cand, None), ("packed", vals, None)):
+        grads = []
+        for method in ("dense", "sorted"):
+            launch.BACKWARD_OVERRIDES["DD_METHOD"] = method
+            leaf = docs.detach().requires_grad_()
+            arg = fm.PackedDocuments(leaf, packed.offsets, packed.max_length) if name == "packed" else leaf
+            out = fm.maxsim(q, arg, qm, mask)
+            (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+            grads.append(leaf.grad.double())
+        launch.BACKWARD_OVERRIDES.pop("DD_METHOD")
+        check(f"sorted dD, {name}", grads[1], grads[0], 1e-2)
     long_q = torch.randn(2, 300, 128, device=dev, dtype=bf, requires_grad=True)
     out = fm.maxsim(long_q, torch.randn(3, 129, 128, device=dev, dtype=bf))
     out.sum().backward()

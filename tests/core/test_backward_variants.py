@@ -1,6 +1,7 @@
 """Kernel variants chosen by tuning hooks (launch.FORWARD_OVERRIDES / BACKWARD_OVERRIDES) compute the same
 function: the hard-max dD methods (dense one-hot, the default, with and without the gradient's 16-bit split;
-sorted), the document-token split of the forward, the dQ column split."""
+each document's entries sorted in its program; entries sorted by torch.sort), the document-token split of the
+forward, the dQ column split."""
 
 import pytest
 import torch
@@ -64,8 +65,8 @@ def _grads(q, docs, **kw):
 
 
 @pytest.mark.parametrize("method", [{"DD_METHOD": "sparse"}, {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": False},
-                                    {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": True}],
-                         ids=["sparse", "dense", "dense-fused-with-dq"])
+                                    {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": True}, {"DD_METHOD": "sorted"}],
+                         ids=["sparse", "dense", "dense-fused-with-dq", "sorted"])
 @pytest.mark.parametrize("layout", ["in-batch", "candidates", "packed"])
 def test_hard_max_document_gradient_methods(overrides, layout, method):
     overrides.BACKWARD_OVERRIDES.update(method)
@@ -275,7 +276,7 @@ def test_several_documents_per_program_only_for_padded_scoring(overrides, monkey
     assert len(plans) == 3 and all(p.docs == 1 for p in plans)
 
 
-@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}])
+@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}, {"DD_METHOD": "sorted"}])
 def test_document_gradient_goes_to_the_first_of_tied_tokens(overrides, method):
     """Documents whose tokens are all equal: every query token's first arg-max is token 0 (the tie rule), so
     dD[t, 0] = sum_q G[q, t] * sum_i Q[q, i] and every other row is 0 (autograd of amax would split it)."""
@@ -332,12 +333,14 @@ def test_hard_max_document_gradient_rounding(overrides, dtype):
     assert ((docs.grad.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sorted"}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype):
+def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype, method):
     """``maxsim_backward(..., fp32_grads=True)`` on 16-bit inputs: fp32 dQ and dD, and the dD kernel multiplies
     G as two 16-bit parts (hi + lo), so dD matches float64 to fp32 summation error, where G rounded to the dtype
     would be off by up to half a unit of the dtype."""
     from flash_maxsim import _layout, ops
+    overrides.BACKWARD_OVERRIDES.update(method)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, docs, g, chosen, want, _ = _half_way_problem(dtype, dev)
     p = _layout.canonicalize(q, docs)
@@ -349,3 +352,40 @@ def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype):
     want_dq = torch.einsum("qt,qtid->qid", g.double(),
                            docs.double()[torch.arange(4, device=dev)[None, :, None], chosen])
     torch.testing.assert_close(dq.double(), want_dq, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["in-batch", "candidates", "ragged"])
+def test_sorted_document_gradient_blocks_and_chunks(overrides, layout, monkeypatch):
+    """The sorted dD (each document's arg-max entries sorted in its program): documents of several 128-token
+    blocks, a block receiving more entries than one 64-entry chunk (copies of the query tokens), a token every
+    query's tokens pick (candidates), masked query tokens (no entry), an empty document; against the float64
+    reference, bitwise the same when run again, and the dense kernel where a document has more entries than the
+    sort holds."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(5, 16, 16, generator=g)
+    if layout == "candidates":
+        docs = torch.randn(5, 2, 200, 16, generator=g)
+        docs[:, 0, 150] = q.sum(1) * 4                   # token 150 of each query's first candidate dominates
+    else:
+        docs = torch.randn(3, 200, 16, generator=g)
+        docs[1, 128:200] = 3 * q.reshape(80, 16)[:72]    # query tokens' own copies: > 64 entries in one block
+    qmask = torch.rand(5, 16, generator=g) > 0.1
+    q, docs, qmask = q.to(dev), docs.to(dev), qmask.to(dev)
+    if layout == "ragged":
+        docs = [docs[0], docs[1], docs[2, :0], docs[2, :129]]
+    overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "sorted"
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+    with force_backend("triton"):
+        out, ref, gq, gq64, gd, gd64 = _grads(q, docs, queries_mask=qmask)
+        _, _, _, _, again, _ = _grads(q, docs, queries_mask=qmask)
+    assert {p.dd_method for p in launch._BACKWARD_PLANS.values()} == {"sorted"}
+    torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-4)
+    assert torch.equal(gd, again)
+    monkeypatch.setattr(launch, "SORTED_DD_MAX_ENTRIES", 8)
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+    with force_backend("triton"):
+        _, _, _, _, dense, _ = _grads(q, docs, queries_mask=qmask)
+    assert {p.dd_method for p in launch._BACKWARD_PLANS.values()} == {"dense"}
+    torch.testing.assert_close(dense.double(), gd64, rtol=1e-5, atol=1e-4)

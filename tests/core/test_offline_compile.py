@@ -68,7 +68,8 @@ def test_every_specialisation_compiles_without_spills(target, request):
     assert proc.returncode == 0, proc.stdout[-3000:]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel",
-                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_fused_kernel", "maxsim_combine_slices_kernel"}
+                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_sorted_kernel", "maxsim_bwd_fused_kernel",
+                       "maxsim_combine_slices_kernel"}
     assert len(rows) >= 35
     spilling = [(r["case"], r["kernel"], r["local_bytes"]) for r in rows if r["local_bytes"] != 0]
     assert not spilling, f"local memory (register spills) in: {spilling}"
@@ -118,6 +119,17 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     assert first_pass["instructions"] <= before["instructions"] - 96, (first_pass, before)
     assert any(any(op.startswith("I2F") for op in loop["ops"]) for loop in bitcast["loops"])   # the second pass
     assert bitcast["shared_bytes"] == converted["shared_bytes"] and bitcast["local_bytes"] == 0
+
+
+def test_sorted_document_gradient_sorts_in_one_program_per_sm(hopper, ampere):
+    """The sorted dD at ColPali B256 (8192 entries per document): one program of 8 warps per SM looping over the
+    256 documents, its sort and per-block products in registers and 32 KiB of shared memory, on the tensor cores
+    (wgmma on Hopper, mma.sync before)."""
+    for rows, mma in ((hopper[1], "wgmma bf16"), (ampere[1], "mma.sync bf16")):
+        row = _by_case(rows, "train bf16 ColPali B256 sorted dD", "maxsim_bwd_dd_sorted_kernel")
+        assert row["num_warps"] == 8 and row["local_bytes"] == 0 and row["stack_bytes"] == 0
+        assert row["shared_bytes"] <= 48 * 1024 and set(row["mma"]) == {mma}
+    assert _by_case(hopper[1], "train bf16 ColPali B256 sorted dD", "maxsim_bwd_dd_sorted_kernel")["grid"] == [132]
 
 
 def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):

@@ -71,3 +71,28 @@ def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
     assert more_lq == pytest.approx(16 * 32 * 64 * 2 / MiB + 16 * 16 * 32 * (2 if smooth_tau is None else 4) / MiB,
                                     abs=1e-3)
     assert both == pytest.approx(more_ld + more_lq, abs=1e-3)
+
+
+@pytest.mark.parametrize("step", [s for s in TRAINING_STEPS if s.smooth_tau is None],
+                         ids=lambda s: s.name.split(",")[0])
+def test_sorted_document_gradient_adds_only_its_scratch(step, monkeypatch):
+    """The sorted hard-max dD (DD_METHOD="sorted": dQ and dD in two launches) peaks at the larger of the two
+    launches' phases, the dD phase holding the documents' gradient, dQ and one row of sorted entry ids (int16) per
+    program, at most one program per SM: ColPali B256 2 MiB more than its outputs and saved state."""
+    from flash_maxsim.kernels import launch
+    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_METHOD", "sorted")
+    fn, inputs = step.build()
+    peak, live = peak_above_inputs(fn, inputs)
+    n_docs = step.Nq * step.B if step.kd else step.B
+    entries = step.Lq if step.kd else step.Nq * step.Lq
+    scratch = min(n_docs, 132) * (1 << (max(entries, 16) - 1).bit_length()) * 2
+    C = step.B
+    scores, loss_temporaries = step.Nq * C * 4, 3 * step.Nq * C * 4 + 4096
+    saved = step.Nq * C * step.Lq * 2
+    dq, dq_fp32 = step.Nq * step.Lq * step.d * 2, step.Nq * step.Lq * step.d * 4
+    dd = n_docs * step.Ld * step.d * 2
+    partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 64 else 0
+    dq_phase = scores + loss_temporaries + saved + partials + dq
+    dd_phase = scores + loss_temporaries + saved + dq + dd + scratch
+    assert peak <= max(dq_phase, dd_phase) / MiB, live
+    assert peak >= (dd + scratch) / MiB

@@ -6,6 +6,8 @@ Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary va
     dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]                      (gather:  maxsim_bwd_dq_kernel)
     dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, the default)
              or, entries pre-sorted by destination row, a gather per row   (maxsim_bwd_dd_sparse_kernel, opt-in)
+             or, each document's entries sorted in its program, its blocks' one-hots over those entries only
+                                                                           (maxsim_bwd_dd_sorted_kernel, opt-in)
   The one-hot weights G go to the tensor cores in the inputs' dtype (rounded to it, as PyTorch's 16-bit autograd
   rounds the gradient); with fp32 gradients asked for, as two 16-bit parts (hi + lo): G kept whole.
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
@@ -167,6 +169,118 @@ def maxsim_bwd_dd_sparse_kernel(
 
 
 @triton.jit
+def _accumulate_weighted_rows(acc, pt, q_rows, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                              G_SPLIT: tl.constexpr):
+    """``acc += pt @ q_rows`` on the tensor cores, the weights ``pt`` (fp32) rounded to the rows' dtype, or, with
+    ``G_SPLIT`` (fp32 gradients), multiplied as two parts of it (hi + lo: ~16 bits, not rounded to the dtype)."""
+    if UPCAST:
+        acc += tl.dot(pt, q_rows.to(tl.float32), input_precision=PRECISION)
+    else:
+        pt_hi = pt.to(q_rows.dtype)
+        acc += tl.dot(pt_hi, q_rows, input_precision=PRECISION)
+        if G_SPLIT:
+            acc += tl.dot((pt - pt_hi.to(tl.float32)).to(q_rows.dtype), q_rows, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _dd_sorted_document(
+    t, G, Q, OFFSETS, AUX, SCRATCH_ROW, DD, Lq, d, Ld, K, n_entries,
+    stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_an, stride_ac, stride_al,
+    stride_odt, stride_odl, stride_odd,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr, NB_POW2: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+):
+    """Every row of document ``t``'s dD (``maxsim_bwd_dd_sorted_kernel``), through ``SCRATCH_ROW``."""
+    if PAIRED:
+        q_of_doc = t // K
+        col = t % K
+    else:
+        q_of_doc = t * 0
+        col = t
+    if RAGGED:
+        start = tl.load(OFFSETS + t).to(tl.int64)
+        dlen = (tl.load(OFFSETS + t + 1).to(tl.int64) - start).to(tl.int32)
+        o_base = start * stride_odl
+    else:
+        dlen = Ld
+        o_base = t * stride_odt
+    SENTINEL: tl.constexpr = 2147483647      # no gradient: sorted last, in no block
+    e = tl.arange(0, E_POW2)
+    live = e < n_entries
+    if PAIRED:
+        q, i = q_of_doc + e * 0, e
+    else:
+        q, i = (e // Lq).to(tl.int64), e % Lq
+    j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=live, other=-1).to(tl.int32)
+    keys = tl.sort(tl.where(j >= 0, (j << LOG2_E) | e, SENTINEL))
+    # entries per block of tokens (the last bin holds the entries without gradient), and where each block starts
+    bins = tl.where(keys == SENTINEL, NB_POW2 - 1, (keys >> LOG2_E) // BLOCK_N)
+    counts = tl.histogram(bins, NB_POW2)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(SCRATCH_ROW + e, (keys & (E_POW2 - 1)).to(SCRATCH_ROW.dtype.element_ty))
+    tl.debug_barrier()        # the sorted ids, read back by the program's other threads below
+
+    local = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < d
+    ks = tl.arange(0, CHUNK)
+    block_ids = tl.arange(0, NB_POW2)
+    for b in range(0, tl.cdiv(dlen, BLOCK_N)):
+        lo = tl.sum(tl.where(block_ids == b, starts, 0), 0)
+        count = tl.sum(tl.where(block_ids == b, counts, 0), 0)
+        acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        for k0 in range(0, count, CHUNK):
+            ok = k0 + ks < count
+            ek = tl.load(SCRATCH_ROW + lo + k0 + ks, mask=ok, other=0).to(tl.int32)
+            if PAIRED:
+                qk, ik = q_of_doc + ek * 0, ek
+            else:
+                qk, ik = (ek // Lq).to(tl.int64), ek % Lq
+            jk = tl.load(AUX + qk * stride_an + col * stride_ac + ik * stride_al, mask=ok, other=-1).to(tl.int32)
+            g = tl.load(G + qk * stride_gn + col * stride_gc, mask=ok, other=0.0).to(tl.float32)
+            q_rows = tl.load(Q + qk[:, None] * stride_qn + ik[:, None] * stride_ql + cols[None, :] * stride_qd,
+                             mask=ok[:, None] & col_ok[None, :], other=0.0)
+            pt = tl.where((jk - b * BLOCK_N)[None, :] == local[:, None], g[None, :], 0.0)
+            acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)
+        n = b * BLOCK_N + local
+        tl.store(DD + o_base + n[:, None].to(tl.int64) * stride_odl + cols[None, :] * stride_odd,
+                 acc.to(DD.dtype.element_ty), mask=(n < dlen)[:, None] & col_ok[None, :])
+    tl.debug_barrier()        # every thread done with the scratch row before the next document overwrites it
+
+
+@triton.jit
+def maxsim_bwd_dd_sorted_kernel(
+    G, Q, OFFSETS, AUX, SCRATCH, DD,
+    Nq, Lq, d, Ld, K, n_entries, n_docs,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_an, stride_ac, stride_al,
+    stride_odt, stride_odl, stride_odd,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr, NB_POW2: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+):
+    """Hard-max dD from each document's arg-max entries sorted in one program: entry ``e`` (``q * Lq + i``; ``i``
+    when ``PAIRED``, whose document ``t`` meets query ``t // K`` only) sends ``G[q, col] * Q[q, i]`` to token
+    ``j = AUX[q, col, i]``. Sorting the ``n_entries`` keys ``j * E_POW2 + e`` (bitonic, in registers) groups each
+    block of BLOCK_N tokens' entries, in increasing ``e`` per token, so a block's rows are ``onehot^T @ Q_rows``
+    over CHUNK of its own entries at a time on the tensor cores: about ``n_entries`` rows of work per document where
+    the dense kernel multiplies each block by all of them. The sorted ids go through the program's row of
+    ``SCRATCH`` (``[programs, E_POW2]``) to be sliced per block; programs loop over documents, so the scratch is
+    per program, not per document. Fixed order: deterministic. Every row of every document is written."""
+    pid = tl.program_id(0)
+    zero64 = pid.to(tl.int64) * 0
+    scratch_row = SCRATCH + (zero64 + pid) * E_POW2
+    for t in range(pid, n_docs, tl.num_programs(0)):
+        _dd_sorted_document(zero64 + t, G, Q, OFFSETS, AUX, scratch_row, DD, Lq, d, Ld, K, n_entries,
+                            stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_an, stride_ac, stride_al,
+                            stride_odt, stride_odl, stride_odd, PAIRED, RAGGED, BLOCK_N, BLOCK_D, CHUNK, E_POW2,
+                            LOG2_E, NB_POW2, UPCAST, PRECISION, G_SPLIT)
+
+
+@triton.jit
 def _dd_dense_program(
     pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
     Nq, Lq, d, Ld, K,
@@ -262,16 +376,7 @@ def _dd_dense_program(
                     pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
                 q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-                if UPCAST:
-                    acc += tl.dot(pt, q_rows.to(tl.float32), input_precision=PRECISION)
-                else:
-                    pt_hi = pt.to(q_rows.dtype)
-                    acc += tl.dot(pt_hi, q_rows, input_precision=PRECISION)
-                    if G_SPLIT:
-                        # the gradient's low part too (fp32 gradients): G = hi + lo to ~16 bits, not rounded to
-                        # the inputs' dtype
-                        acc += tl.dot((pt - pt_hi.to(tl.float32)).to(q_rows.dtype), q_rows,
-                                      input_precision=PRECISION)
+                acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])

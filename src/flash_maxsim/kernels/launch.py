@@ -20,8 +20,8 @@ import torch
 
 from . import _launcher
 from .._layout import aux_dtype
-from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel,
-                       maxsim_bwd_fused_kernel)
+from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sorted_kernel, maxsim_bwd_dd_sparse_kernel,
+                       maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
 from .forward import maxsim_combine_slices_kernel, maxsim_fwd_kernel
 
 
@@ -449,10 +449,16 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
     return splits
 
 
-# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sparse" (hard max only); DD_BLOCK_N,
-# DD_WARPS, DD_STAGES, G_SPLIT (dense dD kernel); DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column
-# splits' fp32 partial sums; 0 = no split).
+# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sorted" | "sparse" (hard max only);
+# DD_BLOCK_N, DD_WARPS, DD_STAGES, G_SPLIT (dense dD kernel; DD_STAGES and G_SPLIT the sorted one's too); DQ_WARPS,
+# DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial sums; 0 = no split).
 BACKWARD_OVERRIDES: dict = {}
+
+# "sorted" dD (kernels/backward.py, maxsim_bwd_dd_sorted_kernel): a document's arg-max entries sorted in registers
+# by one program of 8 warps (8192 of them: 255 registers on sm_90, no spills, offline compile), its tokens in blocks
+# of 128 rows. More entries per document (in-batch Nq * Lq > 8192) take the dense kernel
+SORTED_DD_MAX_ENTRIES = 8192
+SORTED_DD_BLOCK_N = 128
 
 
 _SM_COUNT = {}
@@ -535,6 +541,13 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
     dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")) if need_dd else None
+    n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
+    longest = Ld if offsets is None else max_len
+    if dd_method == "sorted" and not (
+            d_chunks == 1 and _pow2(n_entries) <= SORTED_DD_MAX_ENTRIES
+            and (max(longest, 1) << int(math.log2(_pow2(max(n_entries, 16))))) < 2**31 - 1):
+        # the sort holds a document's entries in registers, and its keys pack (token, entry) in 31 bits
+        dd_method = "dense"
     dq_warps = BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
     # dense dD: smooth max recomputes every similarity tile, so 128-token blocks on 8 warps halve the query-row
     # re-reads (session 3 sweep, ColPali smooth B128: 2.30 vs 2.50 ms); hard max keeps 64 on 4 warps
@@ -593,8 +606,25 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1),
                                 G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
+        elif dd_method == "sorted":
+            e_pow2 = _pow2(max(n_entries, 16))
+            n_blocks = _cdiv(longest, SORTED_DD_BLOCK_N)
+            # programs loop over documents, one per SM (8 warps of 255 registers fill one), so the scratch of sorted
+            # ids is programs x E_POW2, not documents x E_POW2
+            plan.dd_grid = (min(T, _sm_count()),)
+            plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_entries, T, grad.stride(0), grad.stride(1),
+                               queries.stride(0), queries.stride(1), queries.stride(2),
+                               aux.stride(0), aux.stride(1), aux.stride(2))
+            g_split = (grad_dtype == torch.float32 and not upcast and queries.dtype in (torch.float16, torch.bfloat16))
+            plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=SORTED_DD_BLOCK_N,
+                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, LOG2_E=int(math.log2(e_pow2)),
+                                NB_POW2=_pow2(n_blocks + 1), UPCAST=upcast, PRECISION=precision,
+                                G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)),
+                                num_warps=8, num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
+            plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method != "sparse":
-            raise ValueError(f"BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense' or 'sparse', got {dd_method!r}")
+            raise ValueError("BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense', 'sorted' or 'sparse', "
+                             f"got {dd_method!r}")
     if fused:
         plan.fused_grid = (plan.dq_grid[0] + plan.dd_grid[0],)
         plan.fused_scalars = (*dq_sizes, n_nblocks, plan.dq_grid[0], *strides)
@@ -635,6 +665,8 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
     otherwise be small; beside dD in the single launch, freed before it otherwise); hard-max dD with
+    DD_METHOD="sorted": each program's sorted entry ids, min(documents, SMs) x E_POW2 int16 (E_POW2 = the entries
+    per document, Nq * Lq in-batch or Lq per candidate, rounded up to a power of two; ColPali B256: 2.1 MiB); with
     DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry, plus the sort's own buffers)."""
     device = queries.device
     grad = grad.float()
@@ -679,6 +711,14 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                 _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, dd),
                                  (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
+        elif plan.dd_method == "sorted":
+            dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
+            if plan.dd_grid[0] > 0:
+                # each program's sorted entry ids of its current document (int16: at most SORTED_DD_MAX_ENTRIES):
+                # programs x E_POW2 x 2 bytes (ColPali B256 on 132 SMs: 2.1 MiB)
+                scratch = torch.empty((plan.dd_grid[0], plan.dd_meta["E_POW2"]), dtype=torch.int16, device=device)
+                _launcher.launch(maxsim_bwd_dd_sorted_kernel, plan.dd_grid, (grad, queries, offs, aux, scratch, dd),
+                                 (*plan.dd_scalars, *out_strides), plan.dd_meta, plan.dd_meta_key)
         else:
             dd = torch.zeros(documents.shape, dtype=dd_dtype, device=device)
             if aux.numel() == 0:
