@@ -244,13 +244,18 @@ def code_digest(ptx: str) -> str:
     return hashlib.sha256(kept.encode()).hexdigest()[:16]
 
 
-def _resource_usage(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """What Triton's bundled cuobjdump prints for a cubin with ``option`` (``-res-usage``, ``-sass``)."""
     from triton.backends.nvidia import compiler as nvidia_compiler
     tool = os.path.join(os.path.dirname(nvidia_compiler.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    out = _cuobjdump(cubin, "-res-usage")
     usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
     return {"registers": usage.get("reg", -1), "local_bytes": usage.get("local", -1),
             "stack_bytes": usage.get("stack", -1)}
@@ -282,15 +287,6 @@ def sass_loops(sass: str) -> list:
     return sorted(loops, key=lambda loop: -loop["instructions"])
 
 
-def _sass(cubin: bytes) -> str:
-    from triton.backends.nvidia import compiler as nvidia_compiler
-    tool = os.path.join(os.path.dirname(nvidia_compiler.__file__), "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
 def compile_launch(call, target: GPUTarget) -> dict:
     """Compile one recorded launch for ``target`` as Triton would on that GPU (same specialisation of every
     argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16)."""
@@ -305,7 +301,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
     md = compiled.metadata
     return {"kernel": kernel.__name__, "grid": list(grid), "num_warps": md.num_warps, "num_stages": md.num_stages,
             "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
-            **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_sass(compiled.asm["cubin"]))}
+            **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))}
 
 
 _SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",

@@ -184,6 +184,15 @@ def _accumulate_weighted_rows(acc, pt, q_rows, UPCAST: tl.constexpr, PRECISION: 
 
 
 @triton.jit
+def _entry_row(e, q_of_doc, Lq, PAIRED: tl.constexpr):
+    """(query, query token) of arg-max entries ``e`` of a document: ``q * Lq + i`` in-batch, ``i`` of the one query
+    ``q_of_doc`` that a per-query candidate meets."""
+    if PAIRED:
+        return q_of_doc + e * 0, e
+    return (e // Lq).to(tl.int64), e % Lq
+
+
+@triton.jit
 def _dd_sorted_document(
     t, G, Q, OFFSETS, AUX, SCRATCH_ROW, DD, Lq, d, Ld, K, n_entries,
     stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_an, stride_ac, stride_al,
@@ -199,20 +208,12 @@ def _dd_sorted_document(
     else:
         q_of_doc = t * 0
         col = t
-    if RAGGED:
-        start = tl.load(OFFSETS + t).to(tl.int64)
-        dlen = (tl.load(OFFSETS + t + 1).to(tl.int64) - start).to(tl.int32)
-        o_base = start * stride_odl
-    else:
-        dlen = Ld
-        o_base = t * stride_odt
+    # the output's first row and the document's length (its gradient has the documents' layout)
+    o_base, _, dlen = _doc_location(OFFSETS, t, stride_odt, stride_odl, 0, 0, Ld, RAGGED)
     SENTINEL: tl.constexpr = 2147483647      # no gradient: sorted last, in no block
     e = tl.arange(0, E_POW2)
     live = e < n_entries
-    if PAIRED:
-        q, i = q_of_doc + e * 0, e
-    else:
-        q, i = (e // Lq).to(tl.int64), e % Lq
+    q, i = _entry_row(e, q_of_doc, Lq, PAIRED)
     j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=live, other=-1).to(tl.int32)
     keys = tl.sort(tl.where(j >= 0, (j << LOG2_E) | e, SENTINEL))
     # entries per block of tokens (the last bin holds the entries without gradient), and where each block starts
@@ -234,10 +235,7 @@ def _dd_sorted_document(
         for k0 in range(0, count, CHUNK):
             ok = k0 + ks < count
             ek = tl.load(SCRATCH_ROW + lo + k0 + ks, mask=ok, other=0).to(tl.int32)
-            if PAIRED:
-                qk, ik = q_of_doc + ek * 0, ek
-            else:
-                qk, ik = (ek // Lq).to(tl.int64), ek % Lq
+            qk, ik = _entry_row(ek, q_of_doc, Lq, PAIRED)
             jk = tl.load(AUX + qk * stride_an + col * stride_ac + ik * stride_al, mask=ok, other=-1).to(tl.int32)
             g = tl.load(G + qk * stride_gn + col * stride_gc, mask=ok, other=0.0).to(tl.float32)
             q_rows = tl.load(Q + qk[:, None] * stride_qn + ik[:, None] * stride_ql + cols[None, :] * stride_qd,

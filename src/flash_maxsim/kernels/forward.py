@@ -469,20 +469,23 @@ def maxsim_fwd_kernel(
         # the last program's group may hold fewer documents
         n_here = tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32)
         if FLAT_RUN:
+            run_scale = q_scale
+            miss = tl.zeros((BLOCK_M,), dtype=tl.int32)
             if BITCAST_SUMS:
                 # bit-cast sums (int8 x int8, hard max): every row's max comes out times 2^-49, so the row scale is
                 # boosted by 2^49 (exact; a scale at or above 2^79 would overflow: its rows are redone)
+                run_scale = q_scale * 562949953421312.0
                 miss = tl.where(row_ok & (q_scale >= 6.044629098073146e23) & (q_scale < float("inf")), 1, 0)
-                miss, bad = _score_run(
-                    t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES,
-                    q_scale * 562949953421312.0, q0, Nq, split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd,
-                    stride_dmt, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
-                    HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                    BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, True, None)
+            miss, bad = _score_run(
+                t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, run_scale, q0, Nq,
+                split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d,
+                inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
+                HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, BITCAST_SUMS, None)
+            if BITCAST_SUMS and BITCAST_REDO:
                 # what the bit-cast sums could not hold (in practice: a document with no valid token, whose rows
                 # stay at -inf): the program's documents again, with converted sums, overwriting their scores
-                redo = tl.max(tl.where(row_ok, miss, 0), 0) + tl.max(bad, 0) > 0
-                if BITCAST_REDO and redo:
+                if tl.max(tl.where(row_ok, miss, 0), 0) + tl.max(bad, 0) > 0:
                     tl.debug_barrier()
                     _score_run(
                         t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, q_scale,
@@ -490,13 +493,6 @@ def maxsim_fwd_kernel(
                         d, inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
                         HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
                         BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, False, False, False, 1)
-            else:
-                _score_run(
-                    t, docs_per_program, n_here, Ld, q_tile, Q, q_row_off, row_ok, D, DMASK, SCALES, q_scale, q0, Nq,
-                    split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d,
-                    inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, row_ok,
-                    HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                    BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, False, None)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):

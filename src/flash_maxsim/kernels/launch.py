@@ -543,9 +543,10 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")) if need_dd else None
     n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
     longest = Ld if offsets is None else max_len
-    if dd_method == "sorted" and not (
-            d_chunks == 1 and _pow2(n_entries) <= SORTED_DD_MAX_ENTRIES
-            and (max(longest, 1) << int(math.log2(_pow2(max(n_entries, 16))))) < 2**31 - 1):
+    e_pow2 = _pow2(max(n_entries, 16))                  # the sorted dD's keys per document
+    log2_e = e_pow2.bit_length() - 1
+    if dd_method == "sorted" and not (d_chunks == 1 and e_pow2 <= SORTED_DD_MAX_ENTRIES
+                                      and (max(longest, 1) << log2_e) < 2**31 - 1):
         # the sort holds a document's entries in registers, and its keys pack (token, entry) in 31 bits
         dd_method = "dense"
     dq_warps = BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
@@ -607,7 +608,6 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                 G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method == "sorted":
-            e_pow2 = _pow2(max(n_entries, 16))
             n_blocks = _cdiv(longest, SORTED_DD_BLOCK_N)
             # programs loop over documents, one per SM (8 warps of 255 registers fill one), so the scratch of sorted
             # ids is programs x E_POW2, not documents x E_POW2
@@ -617,7 +617,7 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                aux.stride(0), aux.stride(1), aux.stride(2))
             g_split = (grad_dtype == torch.float32 and not upcast and queries.dtype in (torch.float16, torch.bfloat16))
             plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=SORTED_DD_BLOCK_N,
-                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, LOG2_E=int(math.log2(e_pow2)),
+                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, LOG2_E=log2_e,
                                 NB_POW2=_pow2(n_blocks + 1), UPCAST=upcast, PRECISION=precision,
                                 G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)),
                                 num_warps=8, num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
