@@ -251,11 +251,13 @@ def forward_table(dev, quick, sweep):
 # session 9: dQ and dD in one launch (FUSED), its stages, without the dQ column split; earlier sweeps (the dD's
 # gradient split, stages, sorted dD, forward tiles, dD tiles and warps, a gathered-hits dD) are in
 # benchmarks/results/run14, run16 and run17
-TRAIN_SWEEP = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}}, {"bwd": {"FUSED": True, "FUSED_STAGES": 2}},
-               {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}},
-               # session 15: the hard-max dD from each document's entries sorted in its program (kernels/backward.py,
-               # maxsim_bwd_dd_sorted_kernel), its chunk loop unpipelined or on 2 stages
-               {"bwd": {"DD_METHOD": "sorted"}}, {"bwd": {"DD_METHOD": "sorted", "DD_STAGES": 2}}]
+TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "dense"}}, {"bwd": {"DD_METHOD": "dense", "FUSED": False}},
+               {"bwd": {"DD_METHOD": "dense", "FUSED_STAGES": 2}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}},
+               # the hard-max dD from each document's entries sorted (kernels/backward.py, maxsim_bwd_dd_sort_kernel,
+               # then maxsim_bwd_dd_sorted_blocks_kernel): its chunk loop unpipelined or on 2 stages, blocks of 64
+               # tokens on 4 warps (the default) or 128 on 8
+               {"bwd": {"DD_METHOD": "sorted"}}, {"bwd": {"DD_METHOD": "sorted", "DD_STAGES": 2}},
+               {"bwd": {"DD_METHOD": "sorted", "DD_BLOCK_N": 128, "DD_WARPS": 8}}]
 
 
 def training_problem(dev, Nq, B, Lq, Ld, K):
@@ -274,7 +276,7 @@ def training_problem(dev, Nq, B, Lq, Ld, K):
     return q, docs, loss_of
 
 
-def train_table(dev, sweep=False):
+def train_table(dev, sweep=False, only=""):
     from flash_maxsim.kernels import launch
     rows = []
     cases = [("colbert inbatch B128 32x300", 128, 128, 32, 300, None, 0),
@@ -283,7 +285,10 @@ def train_table(dev, sweep=False):
              ("colpali inbatch B256 32x1030", 256, 256, 32, 1030, None, 0),
              ("colpali smooth B128 32x1030", 128, 128, 32, 1030, 0.1, 0),
              ("KD 64q x 64cand 32x300", 64, 64, 32, 300, None, 64)]
+    wanted = [w for w in only.split(",") if w]
     for name, Nq, B, Lq, Ld, tau, K in cases:
+        if wanted and not any(w in name for w in wanted):
+            continue
         q, docs, loss_of = training_problem(dev, Nq, B, Lq, Ld, K)
 
         def ours():
@@ -620,6 +625,8 @@ def main():
                     help="small training steps: our variants (TRAIN_AB: backward; TRAIN_AB_FWD: the forward that "
                          "saves the arg-max) and the peers, interleaved")
     ap.add_argument("--no-train", action="store_true", help="skip the training table")
+    ap.add_argument("--train-only", default="", help="only the training cases whose name contains one of these "
+                    "comma-separated texts (e.g. 'B256,B64 32x1030')")
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
     ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
@@ -654,7 +661,7 @@ def main():
         bandwidth_rows(dev, only=args.bandwidth_only, variants=args.bandwidth_variants)
         torch.set_float32_matmul_precision("highest")
     fwd = [] if args.no_forward else forward_table(dev, args.quick, args.fwd_sweep)
-    trn = [] if args.no_train else train_table(dev, args.sweep)
+    trn = [] if args.no_train else train_table(dev, args.sweep, args.train_only)
     if args.profile:
         profile_steps(dev)
     if args.json:

@@ -5,8 +5,10 @@
         python3 benchmarks/ncu_case.py int8-1024
 
 Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300),
-bf16-128x1024 (1x1k 128x1024).
-An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile).
+bf16-128x1024 (1x1k 128x1024); training steps (scores, cross-entropy, backward): train-b256 (ColPali in-batch
+B256 32x1030), train-b64 (B64 32x1030), for the backward kernels (``--kernel-name maxsim_bwd_dd_sorted_blocks_kernel``).
+An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile), or
+for a training case ``BACKWARD_OVERRIDES``.
 """
 
 import json
@@ -18,6 +20,20 @@ import flash_maxsim as fm
 
 CASES = {"int8-1024": (1, 10000, 1024, 1024, True), "int8-300": (1, 10000, 32, 300, True),
          "bf16-64q": (64, 1000, 32, 300, False), "bf16-128x1024": (1, 1000, 128, 1024, False)}
+TRAIN_CASES = {"train-b256": (256, 32, 1030), "train-b64": (64, 32, 1030)}
+
+
+def train(name: str, overrides: str = "{}") -> None:
+    from flash_maxsim.kernels import launch
+    launch.BACKWARD_OVERRIDES.update(json.loads(overrides))
+    B, Lq, Ld = TRAIN_CASES[name]
+    q = torch.randn(B, Lq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    docs = torch.randn(B, Ld, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.arange(B, device="cuda")
+    for _ in range(4):
+        torch.nn.functional.cross_entropy(fm.maxsim(q, docs), labels).backward()
+    torch.cuda.synchronize()
+    print(f"{name}: done", flush=True)
 
 
 def main(name: str, overrides: str = "{}") -> None:
@@ -34,4 +50,7 @@ def main(name: str, overrides: str = "{}") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("int8-1024")
+    if len(sys.argv) > 1 and sys.argv[1] in TRAIN_CASES:
+        train(*sys.argv[1:3])
+    else:
+        main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("int8-1024")

@@ -55,8 +55,9 @@ def main():
     out = fm.maxsim(q, fm.PackedDocuments(vals, packed.offsets, packed.max_length), smooth_tau=0.2)
     out.sum().backward()
     check("packed smooth", out, reference.maxsim(q.detach(), ragged, smooth_tau=0.2), 1e-5)
-    # the sorted hard-max dD (an option): in-batch with masks (d = 96 padded to 128 features), per-query
-    # candidates, packed documents with an empty one; its documents' gradient against the dense kernel's
+    # the sorted hard-max dD (the default for documents of 1024 tokens or more): in-batch with masks (d = 96
+    # padded to 128 features), per-query candidates, packed documents with an empty one; its documents' gradient
+    # against the dense kernel's
     for name, docs, mask in (("in-batch", d, dm), ("candidates", cand, None), ("packed", vals, None)):
         grads = []
         for method in ("dense", "sorted"):

@@ -354,26 +354,33 @@ def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype, metho
     torch.testing.assert_close(dq.double(), want_dq, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["in-batch", "candidates", "ragged"])
+@pytest.mark.parametrize("layout", ["in-batch", "in-batch-128-token-blocks", "candidates", "ragged"])
 def test_sorted_document_gradient_blocks_and_chunks(overrides, layout, monkeypatch):
-    """The sorted dD (each document's arg-max entries sorted in its program): documents of several 128-token
-    blocks, a block receiving more entries than one 64-entry chunk (copies of the query tokens), a token every
-    query's tokens pick (candidates), masked query tokens (no entry), an empty document; against the float64
-    reference, bitwise the same when run again, and the dense kernel where a document has more entries than the
-    sort holds."""
+    """The sorted dD (each document's arg-max entries sorted, then each block of its tokens multiplied by its own
+    entries): documents of several blocks, a block receiving more entries than one 64-entry chunk (copies of query
+    tokens that two query tokens each pick), a token every query's tokens pick (candidates), masked query tokens
+    (no entry), an empty document; against the float64 reference, bitwise the same when run again, and the dense
+    kernel where a document has more entries than the sort holds."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(17)
     q = torch.randn(5, 16, 16, generator=g)
+    q[:, 8:] = q[:, :8]                                  # each query's tokens 8-15 repeat its tokens 0-7
+    block_n = 128 if layout.endswith("128-token-blocks") else launch.SORTED_DD_BLOCK_N
     if layout == "candidates":
         docs = torch.randn(5, 2, 200, 16, generator=g)
         docs[:, 0, 150] = q.sum(1) * 4                   # token 150 of each query's first candidate dominates
     else:
         docs = torch.randn(3, 200, 16, generator=g)
-        docs[1, 128:200] = 3 * q.reshape(80, 16)[:72]    # query tokens' own copies: > 64 entries in one block
+        docs[1, 128:168] = 3 * q[:, :8].reshape(40, 16)  # 40 copies, each two query tokens' arg-max: one block
     qmask = torch.rand(5, 16, generator=g) > 0.1
+    if layout != "candidates":                           # the test covers a block of more than one chunk
+        picks = torch.einsum("qid,jd->qij", q.double(), docs[1].double()).argmax(-1)[qmask]
+        assert ((picks >= 128) & (picks < 128 + block_n)).sum() > 64
     q, docs, qmask = q.to(dev), docs.to(dev), qmask.to(dev)
     if layout == "ragged":
         docs = [docs[0], docs[1], docs[2, :0], docs[2, :129]]
+    if block_n != launch.SORTED_DD_BLOCK_N:
+        overrides.BACKWARD_OVERRIDES["DD_BLOCK_N"] = block_n
     overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "sorted"
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     with force_backend("triton"):

@@ -67,6 +67,20 @@ def test_second_launch_reuses_the_compiled_kernel_with_constexprs_appended(fresh
     assert kernel.direct == [((7, 1, 1), (x, y, 5, 64, True))]
 
 
+def test_constexprs_the_launch_leaves_out_take_their_defaults(fresh_launcher):
+    """A constexpr parameter with a default that the launch's meta omits is bound to that default, as Triton's own
+    binding does, so the launch still goes direct (a missing one without default keeps Triton's path)."""
+    kernel = FakeJIT()
+    kernel.params.append(SimpleNamespace(name="OPTION", is_constexpr=True, has_default=True, default=7))
+    x, y = FakeTensor(1024), FakeTensor(2048)
+    meta = dict(BLOCK=64, FLAG=True, num_warps=4)
+    _launcher.launch(kernel, (7,), (x, y), (5,), meta)
+    _launcher.launch(kernel, (7,), (x, y), (5,), meta)
+    assert kernel.direct == [((7, 1, 1), (x, y, 5, 64, True, 7))]
+    kernel.params.append(SimpleNamespace(name="REQUIRED", is_constexpr=True, has_default=False))
+    assert _launcher._constexpr_tail(kernel, 3, meta) is None
+
+
 def test_new_scalars_dtype_or_alignment_bind_again(fresh_launcher):
     kernel = FakeJIT()
     meta = dict(BLOCK=64, FLAG=False)
@@ -353,6 +367,10 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     # tiles copied by TMA on Hopper
     assert p.meta["FLAT_RUN"] and p.meta["PREFETCH_TOKENS"] and p.meta["Q_QUANTIZED"] and p.meta["maxnreg"] == 168
     assert p.meta["TMA_DOCS"]
+    # whole tiles: the sums read as fp32 bits, on 2 stages; straddling runs convert them
+    assert p.meta["BITCAST_SUMS"] and p.meta["num_stages"] == 2
+    p = plan(10000, 1024, 1030)
+    assert p.meta["FLAT_RUN"] and p.meta["STRADDLE"] and not p.meta["BITCAST_SUMS"] and p.meta["num_stages"] == 3
     p = plan(10000, 32, 1024)
     assert not p.meta["Q_QUANTIZED"] and not p.meta["PREFETCH_TOKENS"]
     p = plan(500, 32, 300)
@@ -548,3 +566,28 @@ def test_smooth_max_and_single_gradients_keep_their_own_launches(monkeypatch):
         aux = torch.zeros(2, 5, 8, dtype=torch.float32 if tau else torch.int16)
         launch.backward(torch.randn(2, 5), queries, documents, None, None, None, 40, aux, 0, tau, True, need_dd)
         assert [k for k, _ in launched] == expected
+
+
+@pytest.mark.parametrize("Ld, expected", [(1024, "sorted"), (300, "fused")])
+def test_hard_max_dd_is_sorted_for_long_documents_and_fused_with_dq_for_short(monkeypatch, Ld, expected):
+    """Hard max: documents of SORTED_DD_MIN_TOKENS tokens or more take the sorted dD (its sort, then its blocks'
+    products) after dQ's own launch; shorter ones one launch for both gradients (the dense dD); the override still
+    picks either."""
+    from flash_maxsim.kernels import backward as kernels
+    from flash_maxsim.kernels import launch
+    launched = _recorded_launches(monkeypatch)
+    monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+    queries, documents = torch.randn(2, 8, 32), torch.randn(3, Ld, 32)
+    aux = torch.zeros(2, 3, 8, dtype=torch.int16)
+
+    def kernels_launched(**overrides):
+        launched.clear()
+        monkeypatch.setattr(launch, "BACKWARD_OVERRIDES", overrides)
+        launch.backward(torch.randn(2, 3), queries, documents, None, None, None, Ld, aux, 0, None, True, True)
+        return [k for k, _ in launched]
+    sorted_dd = [kernels.maxsim_bwd_dq_kernel, kernels.maxsim_bwd_dd_sort_kernel,
+                 kernels.maxsim_bwd_dd_sorted_blocks_kernel]
+    fused = [kernels.maxsim_bwd_fused_kernel]
+    assert kernels_launched() == (sorted_dd if expected == "sorted" else fused)
+    assert kernels_launched(DD_METHOD="dense") == fused
+    assert kernels_launched(DD_METHOD="sorted") == sorted_dd

@@ -68,7 +68,8 @@ def test_every_specialisation_compiles_without_spills(target, request):
     assert proc.returncode == 0, proc.stdout[-3000:]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel",
-                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_sorted_kernel", "maxsim_bwd_fused_kernel",
+                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_sort_kernel",
+                       "maxsim_bwd_dd_sorted_blocks_kernel", "maxsim_bwd_fused_kernel",
                        "maxsim_combine_slices_kernel"}
     assert len(rows) >= 35
     spilling = [(r["case"], r["kernel"], r["local_bytes"]) for r in rows if r["local_bytes"] != 0]
@@ -102,12 +103,12 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
 
 def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     """The int8 compute-bound grid's tile loop (128 x 128 similarities over 128 threads: 128 per thread) with the
-    sums read as fp32 bits: no int-to-float conversion left, one fewer instruction per similarity than with the
-    converted sums; the exact second pass is a loop of its own, not inside the first (which stays pipelined: the
-    same shared memory)."""
+    sums read as fp32 bits (its default for whole tiles): no int-to-float conversion left, one fewer instruction
+    per similarity than with the converted sums; the exact second pass is a loop of its own, not inside the first
+    (which stays pipelined: the same shared memory)."""
     _, rows = hopper
-    converted = _by_case(rows, "int8 1x4k 1024x1024 (runs of documents by TMA)")
-    bitcast = _by_case(rows, "int8 1x4k 1024x1024 bit-cast sums")
+    converted = _by_case(rows, "int8 1x4k 1024x1024 converted sums")
+    bitcast = _by_case(rows, "int8 1x4k 1024x1024 (runs of documents by TMA)")
     assert bitcast["meta"]["BITCAST_SUMS"] and bitcast["meta"]["Q_QUANTIZED"] and bitcast["meta"]["TMA_DOCS"]
     assert not converted["meta"]["BITCAST_SUMS"]
     # the longest loop issuing tensor-core products: the loop over document tiles
@@ -121,15 +122,20 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     assert bitcast["shared_bytes"] == converted["shared_bytes"] and bitcast["local_bytes"] == 0
 
 
-def test_sorted_document_gradient_sorts_in_one_program_per_sm(hopper, ampere):
-    """The sorted dD at ColPali B256 (8192 entries per document): one program of 8 warps per SM looping over the
-    256 documents, its sort and per-block products in registers and 32 KiB of shared memory, on the tensor cores
-    (wgmma on Hopper, mma.sync before)."""
+def test_sorted_document_gradient_sorts_then_multiplies_per_block(hopper, ampere):
+    """The sorted dD at ColPali B256 (8192 entries per document): one program of 8 warps per document sorts its
+    entries (no tensor cores), then one program of 4 warps per block of 64 tokens (256 x 17 of them) multiplies
+    its entries' one-hot by their query rows on the tensor cores (wgmma on Hopper, mma.sync before); in registers and
+    at most 48 KiB of shared memory, so that several programs share an SM."""
+    case = "train bf16 ColPali B256 sorted dD"
     for rows, mma in ((hopper[1], "wgmma bf16"), (ampere[1], "mma.sync bf16")):
-        row = _by_case(rows, "train bf16 ColPali B256 sorted dD", "maxsim_bwd_dd_sorted_kernel")
-        assert row["num_warps"] == 8 and row["local_bytes"] == 0 and row["stack_bytes"] == 0
-        assert row["shared_bytes"] <= 48 * 1024 and set(row["mma"]) == {mma}
-    assert _by_case(hopper[1], "train bf16 ColPali B256 sorted dD", "maxsim_bwd_dd_sorted_kernel")["grid"] == [132]
+        sort = _by_case(rows, case, "maxsim_bwd_dd_sort_kernel")
+        blocks = _by_case(rows, case, "maxsim_bwd_dd_sorted_blocks_kernel")
+        assert sort["num_warps"] == 8 and not sort["mma"] and blocks["num_warps"] == 4 and set(blocks["mma"]) == {mma}
+        for row in (sort, blocks):
+            assert row["local_bytes"] == 0 and row["stack_bytes"] == 0 and row["shared_bytes"] <= 48 * 1024
+    assert _by_case(hopper[1], case, "maxsim_bwd_dd_sort_kernel")["grid"] == [256]
+    assert _by_case(hopper[1], case, "maxsim_bwd_dd_sorted_blocks_kernel")["grid"] == [256 * 17]
 
 
 def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):

@@ -14,21 +14,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs  # noqa: E402
 
 
-def _expected_mib(step: TrainingStep, elem=2):
-    """Smooth max: the larger of the two launches of the backward, dQ's (its fp32 column-split partial sums, at
-    most max(8 MiB, the fp32 dQ), and their sum) and dD's (the documents' gradient, with dQ done). Hard max: one
-    launch for both, the partial sums (above 256 columns only) beside the documents' gradient."""
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def _sorted_dd_scratch(step: TrainingStep, forced=False) -> int:
+    """Bytes of the sorted hard-max dD's scratch (each document's sorted entry ids, int16, and its token blocks'
+    starts and counts, int32), or 0 where the step takes the dense dD: the smooth max, documents shorter than
+    SORTED_DD_MIN_TOKENS (unless ``forced``), more entries per document than the sort holds."""
+    from flash_maxsim.kernels import launch
+    entries = step.Lq if step.kd else step.Nq * step.Lq
+    e_pow2 = _pow2(max(entries, 16))
+    if step.smooth_tau is not None or e_pow2 > launch.SORTED_DD_MAX_ENTRIES \
+            or not (forced or step.Ld >= launch.SORTED_DD_MIN_TOKENS):
+        return 0
+    n_docs = step.Nq * step.B if step.kd else step.B
+    nb_pow2 = _pow2(-(-step.Ld // launch.SORTED_DD_BLOCK_N) + 1)
+    return n_docs * (2 * e_pow2 + 2 * nb_pow2 * 4)
+
+
+def _expected_mib(step: TrainingStep, elem=2, forced_sorted=False):
+    """Two launches of the backward, dQ's then dD's, peak at the larger phase: dQ's with its fp32 column-split
+    partial sums (at most max(8 MiB, the fp32 dQ), and their sum; none up to 64 columns), dD's with the documents'
+    gradient and dQ done (and the sorted dD's scratch). The hard max with the dense dD: one launch for both, the
+    partial sums (above 256 columns only) beside the documents' gradient."""
     C = step.B
     n_docs = step.Nq * step.B if step.kd else step.B
     scores, loss_temporaries = step.Nq * C * 4, 3 * step.Nq * C * 4 + 4096
     saved = step.Nq * C * step.Lq * (4 if step.smooth_tau is not None else 2)      # int16 arg-max / fp32 lse
     dq, dq_fp32 = step.Nq * step.Lq * step.d * elem, step.Nq * step.Lq * step.d * 4
     dd = n_docs * step.Ld * step.d * elem
-    if step.smooth_tau is None:
+    scratch = _sorted_dd_scratch(step, forced_sorted)
+    if step.smooth_tau is None and not scratch:
         partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 256 else 0
         return (scores + loss_temporaries + saved + partials + dq + dd) / MiB
-    dq_phase = scores + loss_temporaries + saved + max(8 * MiB, dq_fp32) + dq_fp32 + dq
-    dd_phase = scores + loss_temporaries + saved + dq + dd
+    partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 64 else 0
+    dq_phase = scores + loss_temporaries + saved + partials + dq
+    dd_phase = scores + loss_temporaries + saved + dq + dd + scratch
     return max(dq_phase, dd_phase) / MiB
 
 
@@ -63,13 +85,15 @@ def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
     def peak(Lq, Ld):
         fn, inputs = TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau).build()
         return peak_above_inputs(fn, inputs)[0]
+    def scratch(Lq, Ld):     # the sorted dD's (hard max): grows with Nq * Lq and with Ld / 64, not their product
+        return _sorted_dd_scratch(TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau)) / MiB
     base = peak(32, 3000)
     more_ld = peak(32, 6000) - base
     more_lq = peak(64, 3000) - base
     both = peak(64, 6000) - base
-    assert more_ld == pytest.approx(16 * 3000 * 64 * 2 / MiB, abs=1e-3)
-    assert more_lq == pytest.approx(16 * 32 * 64 * 2 / MiB + 16 * 16 * 32 * (2 if smooth_tau is None else 4) / MiB,
-                                    abs=1e-3)
+    assert more_ld == pytest.approx(16 * 3000 * 64 * 2 / MiB + scratch(32, 6000) - scratch(32, 3000), abs=1e-3)
+    assert more_lq == pytest.approx(16 * 32 * 64 * 2 / MiB + 16 * 16 * 32 * (2 if smooth_tau is None else 4) / MiB
+                                    + scratch(64, 3000) - scratch(32, 3000), abs=1e-3)
     assert both == pytest.approx(more_ld + more_lq, abs=1e-3)
 
 
@@ -77,22 +101,12 @@ def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
                          ids=lambda s: s.name.split(",")[0])
 def test_sorted_document_gradient_adds_only_its_scratch(step, monkeypatch):
     """The sorted hard-max dD (DD_METHOD="sorted": dQ and dD in two launches) peaks at the larger of the two
-    launches' phases, the dD phase holding the documents' gradient, dQ and one row of sorted entry ids (int16) per
-    program, at most one program per SM: ColPali B256 2 MiB more than its outputs and saved state."""
+    launches' phases, the dD phase holding the documents' gradient, dQ and each document's sorted entry ids (int16)
+    and block starts and counts: ColPali B256 4 MiB more than its outputs and saved state."""
     from flash_maxsim.kernels import launch
     monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_METHOD", "sorted")
     fn, inputs = step.build()
     peak, live = peak_above_inputs(fn, inputs)
     n_docs = step.Nq * step.B if step.kd else step.B
-    entries = step.Lq if step.kd else step.Nq * step.Lq
-    scratch = min(n_docs, 132) * (1 << (max(entries, 16) - 1).bit_length()) * 2
-    C = step.B
-    scores, loss_temporaries = step.Nq * C * 4, 3 * step.Nq * C * 4 + 4096
-    saved = step.Nq * C * step.Lq * 2
-    dq, dq_fp32 = step.Nq * step.Lq * step.d * 2, step.Nq * step.Lq * step.d * 4
-    dd = n_docs * step.Ld * step.d * 2
-    partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 64 else 0
-    dq_phase = scores + loss_temporaries + saved + partials + dq
-    dd_phase = scores + loss_temporaries + saved + dq + dd + scratch
-    assert peak <= max(dq_phase, dd_phase) / MiB, live
-    assert peak >= (dd + scratch) / MiB
+    assert peak <= _expected_mib(step, forced_sorted=True), live
+    assert peak >= (n_docs * step.Ld * step.d * 2 + _sorted_dd_scratch(step, forced=True)) / MiB

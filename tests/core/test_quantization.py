@@ -412,23 +412,26 @@ def test_bitcast_sums_redo_what_they_cannot_hold(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("length, masked", [(1024, False), (1030, True)], ids=["whole-tiles", "straddling-masked"])
 def test_bitcast_sums_on_the_compute_bound_grid(length, masked, monkeypatch, seed):
-    """At the size that picks the compute-bound int8 grid (1024 query tokens against 300 long documents: 128-row
-    programs over runs of 128-token tiles, queries quantised before the launch, TMA copies on Hopper), bit-cast
-    sums score bit for bit like converted ones, a document that sends one query token's every sum below zero
-    included."""
-    from flash_maxsim.kernels import launch
+    """At the size that picks the compute-bound int8 grid (1024 query tokens against 400 long documents: 128-row
+    programs over runs of two documents' 128-token tiles, queries quantised before the launch, TMA copies on
+    Hopper), bit-cast sums score bit for bit like converted ones, a document that sends one query token's every sum
+    below zero included; they are the default there for documents of whole tiles only."""
     g = torch.Generator(device="cuda").manual_seed(seed)
+    n_docs = 400                          # 400 documents x 8 row blocks > 24 programs per SM: runs of 2 documents
     q = torch.randn(1, 1024, 128, generator=g, device="cuda")
-    docs = torch.randn(300, length, 128, generator=g, device="cuda")
+    docs = torch.randn(n_docs, length, 128, generator=g, device="cuda")
     docs[7] = -docs[7].abs()
     q[0, 5] = q[0, 5].abs()
-    dm = (torch.rand(300, length, generator=g, device="cuda") > 0.2) if masked else None
+    dm = (torch.rand(n_docs, length, generator=g, device="cuda") > 0.2) if masked else None
     index = fm.quantize(docs.bfloat16(), dm)
     q = q.bfloat16()
-    want, plan = _scores_with(monkeypatch, q, index)
+    want, plan = _scores_with(monkeypatch, q, index, BITCAST_SUMS=False)
     assert plan.meta["Q_QUANTIZED"] and plan.meta["FLAT_RUN"] and plan.meta["STRADDLE"] == (length == 1030)
     got, plan = _scores_with(monkeypatch, q, index, BITCAST_SUMS=True)
     assert plan.meta["BITCAST_SUMS"] and plan.meta["Q_QUANTIZED"]
     assert torch.equal(got, want)
+    default, plan = _scores_with(monkeypatch, q, index)
+    assert plan.meta["BITCAST_SUMS"] == (length % 128 == 0)
+    assert torch.equal(default, want)
     ref = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), None, dm)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)

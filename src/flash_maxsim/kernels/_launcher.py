@@ -58,16 +58,22 @@ def _tritons_scalars(tensors, scalars) -> tuple:
 
 
 def _constexpr_tail(kernel, n_runtime: int, meta: dict):
-    """The constexpr values in parameter order, when all constexpr parameters follow the runtime ones (as in
-    every kernel of this package); None otherwise (no direct launch)."""
+    """The constexpr values in parameter order (a parameter the launch leaves out takes its default, as in
+    Triton's own binding), when all constexpr parameters follow the runtime ones (as in every kernel of this
+    package); None otherwise (no direct launch)."""
     params = getattr(kernel, "params", None)
     if not params or any(p.is_constexpr for p in params[:n_runtime]) \
             or not all(p.is_constexpr for p in params[n_runtime:]):
         return None
-    try:
-        return tuple(meta[p.name] for p in params[n_runtime:])
-    except KeyError:
-        return None
+    tail = []
+    for p in params[n_runtime:]:
+        if p.name in meta:
+            tail.append(meta[p.name])
+        elif getattr(p, "has_default", False):
+            tail.append(p.default)
+        else:
+            return None
+    return tuple(tail)
 
 
 class _RunnerCall:

@@ -4,10 +4,10 @@ fixed order in fp32 (partial sums over column splits are added afterwards in a f
 Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary value:
 - hard max, ``AUX[q, col, i]`` = first arg-max token ``j`` (-1: no gradient)
     dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]                      (gather:  maxsim_bwd_dq_kernel)
-    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, the default)
+    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, short documents)
              or, entries pre-sorted by destination row, a gather per row   (maxsim_bwd_dd_sparse_kernel, opt-in)
-             or, each document's entries sorted in its program, its blocks' one-hots over those entries only
-                                                                           (maxsim_bwd_dd_sorted_kernel, opt-in)
+             or, each document's entries sorted (maxsim_bwd_dd_sort_kernel), each block of its tokens' one-hot over
+               its own entries only (maxsim_bwd_dd_sorted_blocks_kernel; the default for long documents)
   The one-hot weights G go to the tensor cores in the inputs' dtype (rounded to it, as PyTorch's 16-bit autograd
   rounds the gradient); with fp32 gradients asked for, as two 16-bit parts (hi + lo): G kept whole.
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
@@ -184,6 +184,15 @@ def _accumulate_weighted_rows(acc, pt, q_rows, UPCAST: tl.constexpr, PRECISION: 
 
 
 @triton.jit
+def _query_and_column(t, K, PAIRED: tl.constexpr):
+    """(the query a document meets, its column of the scores): per-query candidate ``t`` meets query ``t // K`` in
+    column ``t % K``; an in-batch document is column ``t`` (of every query: 0 here, entries carry their query)."""
+    if PAIRED:
+        return t // K, t % K
+    return t * 0, t
+
+
+@triton.jit
 def _entry_row(e, q_of_doc, Lq, PAIRED: tl.constexpr):
     """(query, query token) of arg-max entries ``e`` of a document: ``q * Lq + i`` in-batch, ``i`` of the one query
     ``q_of_doc`` that a per-query candidate meets."""
@@ -193,48 +202,68 @@ def _entry_row(e, q_of_doc, Lq, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _dd_sorted_document(
-    t, G, Q, OFFSETS, AUX, SCRATCH_ROW, DD, Lq, d, Ld, K, n_entries,
-    stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_an, stride_ac, stride_al,
-    stride_odt, stride_odl, stride_odd,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr, NB_POW2: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+def maxsim_bwd_dd_sort_kernel(
+    AUX, SORTED, BLOCKS,
+    Lq, K, n_entries,
+    stride_an, stride_ac, stride_al,
+    PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr,
+    NB_POW2: tl.constexpr,
 ):
-    """Every row of document ``t``'s dD (``maxsim_bwd_dd_sorted_kernel``), through ``SCRATCH_ROW``."""
-    if PAIRED:
-        q_of_doc = t // K
-        col = t % K
-    else:
-        q_of_doc = t * 0
-        col = t
-    # the output's first row and the document's length (its gradient has the documents' layout)
-    o_base, _, dlen = _doc_location(OFFSETS, t, stride_odt, stride_odl, 0, 0, Ld, RAGGED)
-    SENTINEL: tl.constexpr = 2147483647      # no gradient: sorted last, in no block
+    """The sorted hard-max dD's first launch, one program per document ``t``: its arg-max entries (entry ``e`` is
+    ``q * Lq + i``; ``i`` when ``PAIRED``, whose document ``t`` meets query ``t // K`` only) sorted by the keys
+    ``j * E_POW2 + e`` (``j = AUX[q, col, i]``, the token the entry's gradient goes to; bitonic, in registers), so
+    that each block of BLOCK_N tokens' entries lie together, in increasing ``e`` per token. Writes the sorted
+    entry ids to ``SORTED[t]`` and, per block of tokens, where its entries start and how many there are to
+    ``BLOCKS[t, 0]`` and ``BLOCKS[t, 1]`` (entries without gradient sort last, counted in no block)."""
+    t = tl.program_id(0).to(tl.int64)
+    q_of_doc, col = _query_and_column(t, K, PAIRED)
+    SENTINEL: tl.constexpr = 2147483647
     e = tl.arange(0, E_POW2)
-    live = e < n_entries
     q, i = _entry_row(e, q_of_doc, Lq, PAIRED)
-    j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=live, other=-1).to(tl.int32)
+    j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=e < n_entries, other=-1).to(tl.int32)
     keys = tl.sort(tl.where(j >= 0, (j << LOG2_E) | e, SENTINEL))
-    # entries per block of tokens (the last bin holds the entries without gradient), and where each block starts
     bins = tl.where(keys == SENTINEL, NB_POW2 - 1, (keys >> LOG2_E) // BLOCK_N)
     counts = tl.histogram(bins, NB_POW2)
-    starts = tl.cumsum(counts, 0) - counts
-    tl.store(SCRATCH_ROW + e, (keys & (E_POW2 - 1)).to(SCRATCH_ROW.dtype.element_ty))
-    tl.debug_barrier()        # the sorted ids, read back by the program's other threads below
+    tl.store(SORTED + t * E_POW2 + e, (keys & (E_POW2 - 1)).to(SORTED.dtype.element_ty))
+    blocks = tl.arange(0, NB_POW2)
+    tl.store(BLOCKS + t * (2 * NB_POW2) + blocks, tl.cumsum(counts, 0) - counts)
+    tl.store(BLOCKS + t * (2 * NB_POW2) + NB_POW2 + blocks, counts)
 
-    local = tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < d
-    ks = tl.arange(0, CHUNK)
-    block_ids = tl.arange(0, NB_POW2)
-    for b in range(0, tl.cdiv(dlen, BLOCK_N)):
-        lo = tl.sum(tl.where(block_ids == b, starts, 0), 0)
-        count = tl.sum(tl.where(block_ids == b, counts, 0), 0)
+
+@triton.jit
+def maxsim_bwd_dd_sorted_blocks_kernel(
+    G, Q, OFFSETS, AUX, SORTED, BLOCKS, DD,
+    Lq, d, Ld, K, n_blocks,
+    stride_gn, stride_gc,
+    stride_qn, stride_ql, stride_qd,
+    stride_an, stride_ac, stride_al,
+    stride_odt, stride_odl, stride_odd,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, E_POW2: tl.constexpr, NB_POW2: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+):
+    """The sorted hard-max dD's second launch, one program per (document ``t``, block ``b`` of BLOCK_N tokens):
+    the block's rows are ``onehot^T @ Q_rows`` over CHUNK of its own sorted entries at a time (from
+    ``maxsim_bwd_dd_sort_kernel``) on the tensor cores: about ``n_entries`` rows of work per document, where the
+    dense kernel multiplies each block by all of them. Many small programs, so that each SM holds several and
+    their dependent loads (entry id, then its arg-max, gradient and query row) overlap. Fixed order:
+    deterministic. Every row of every block inside the document is written."""
+    pid = tl.program_id(0)
+    t = (pid // n_blocks).to(tl.int64)
+    b = pid % n_blocks
+    q_of_doc, col = _query_and_column(t, K, PAIRED)
+    o_base, _, dlen = _doc_location(OFFSETS, t, stride_odt, stride_odl, 0, 0, Ld, RAGGED)
+    if b * BLOCK_N < dlen:
+        lo = tl.load(BLOCKS + t * (2 * NB_POW2) + b)
+        count = tl.load(BLOCKS + t * (2 * NB_POW2) + NB_POW2 + b)
+        local = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < d
+        ks = tl.arange(0, CHUNK)
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for k0 in range(0, count, CHUNK):
             ok = k0 + ks < count
-            ek = tl.load(SCRATCH_ROW + lo + k0 + ks, mask=ok, other=0).to(tl.int32)
+            ek = tl.load(SORTED + t * E_POW2 + lo + k0 + ks, mask=ok, other=0).to(tl.int32)
             qk, ik = _entry_row(ek, q_of_doc, Lq, PAIRED)
             jk = tl.load(AUX + qk * stride_an + col * stride_ac + ik * stride_al, mask=ok, other=-1).to(tl.int32)
             g = tl.load(G + qk * stride_gn + col * stride_gc, mask=ok, other=0.0).to(tl.float32)
@@ -245,37 +274,6 @@ def _dd_sorted_document(
         n = b * BLOCK_N + local
         tl.store(DD + o_base + n[:, None].to(tl.int64) * stride_odl + cols[None, :] * stride_odd,
                  acc.to(DD.dtype.element_ty), mask=(n < dlen)[:, None] & col_ok[None, :])
-    tl.debug_barrier()        # every thread done with the scratch row before the next document overwrites it
-
-
-@triton.jit
-def maxsim_bwd_dd_sorted_kernel(
-    G, Q, OFFSETS, AUX, SCRATCH, DD,
-    Nq, Lq, d, Ld, K, n_entries, n_docs,
-    stride_gn, stride_gc,
-    stride_qn, stride_ql, stride_qd,
-    stride_an, stride_ac, stride_al,
-    stride_odt, stride_odl, stride_odd,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr, NB_POW2: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
-):
-    """Hard-max dD from each document's arg-max entries sorted in one program: entry ``e`` (``q * Lq + i``; ``i``
-    when ``PAIRED``, whose document ``t`` meets query ``t // K`` only) sends ``G[q, col] * Q[q, i]`` to token
-    ``j = AUX[q, col, i]``. Sorting the ``n_entries`` keys ``j * E_POW2 + e`` (bitonic, in registers) groups each
-    block of BLOCK_N tokens' entries, in increasing ``e`` per token, so a block's rows are ``onehot^T @ Q_rows``
-    over CHUNK of its own entries at a time on the tensor cores: about ``n_entries`` rows of work per document where
-    the dense kernel multiplies each block by all of them. The sorted ids go through the program's row of
-    ``SCRATCH`` (``[programs, E_POW2]``) to be sliced per block; programs loop over documents, so the scratch is
-    per program, not per document. Fixed order: deterministic. Every row of every document is written."""
-    pid = tl.program_id(0)
-    zero64 = pid.to(tl.int64) * 0
-    scratch_row = SCRATCH + (zero64 + pid) * E_POW2
-    for t in range(pid, n_docs, tl.num_programs(0)):
-        _dd_sorted_document(zero64 + t, G, Q, OFFSETS, AUX, scratch_row, DD, Lq, d, Ld, K, n_entries,
-                            stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_an, stride_ac, stride_al,
-                            stride_odt, stride_odl, stride_odd, PAIRED, RAGGED, BLOCK_N, BLOCK_D, CHUNK, E_POW2,
-                            LOG2_E, NB_POW2, UPCAST, PRECISION, G_SPLIT)
 
 
 @triton.jit

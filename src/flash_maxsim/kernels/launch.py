@@ -20,8 +20,8 @@ import torch
 
 from . import _launcher
 from .._layout import aux_dtype
-from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sorted_kernel, maxsim_bwd_dd_sparse_kernel,
-                       maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
+from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sort_kernel, maxsim_bwd_dd_sorted_blocks_kernel,
+                       maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
 from .forward import maxsim_combine_slices_kernel, maxsim_fwd_kernel
 
 
@@ -129,6 +129,12 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 3.04: no per-thread copy addresses, ~45 of ~600 instructions per tile)
                 cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True,
                            TMA_DOCS=True)
+                if max_len % 128 == 0:
+                    # documents of whole tiles: the int32 sums read as fp32 bits, not converted, on 2 stages
+                    # (session 16, device call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms; 3 stages 2.530,
+                    # 4 stages 2.765). Straddling runs keep the conversion (offline sm_90: 1520 vs 1415
+                    # instructions per tile, with spills)
+                    cfg.update(BITCAST_SUMS=True, num_stages=2)
             else:
                 # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
@@ -335,9 +341,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         BITCAST_SUMS=flat_run and quantize_q and not smooth and bool(cfg["BITCAST_SUMS"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if plan.meta["BITCAST_SUMS"] and not cfg.get("BITCAST_REDO", True):
-        # tests only: the bit-cast pass alone, without the exact second pass where it falls short
-        plan.meta["BITCAST_REDO"] = False
+    # tests only: False runs the bit-cast pass alone, without the exact second pass where it falls short
+    plan.meta["BITCAST_REDO"] = bool(cfg.get("BITCAST_REDO", True))
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
     plan.meta_key = tuple(plan.meta.items())
@@ -450,15 +455,22 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
 
 
 # Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sorted" | "sparse" (hard max only);
-# DD_BLOCK_N, DD_WARPS, DD_STAGES, G_SPLIT (dense dD kernel; DD_STAGES and G_SPLIT the sorted one's too); DQ_WARPS,
+# DD_BLOCK_N, DD_WARPS, DD_STAGES, G_SPLIT (the dense and the sorted dD's block kernels); DQ_WARPS,
 # DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial sums; 0 = no split).
 BACKWARD_OVERRIDES: dict = {}
 
-# "sorted" dD (kernels/backward.py, maxsim_bwd_dd_sorted_kernel): a document's arg-max entries sorted in registers
-# by one program of 8 warps (8192 of them: 255 registers on sm_90, no spills, offline compile), its tokens in blocks
-# of 128 rows. More entries per document (in-batch Nq * Lq > 8192) take the dense kernel
+# "sorted" dD (kernels/backward.py): a document's arg-max entries sorted in registers by one program of 8 warps
+# (maxsim_bwd_dd_sort_kernel; 8192 of them in a program), then one program of 4 warps per block of 64 of its tokens
+# (maxsim_bwd_dd_sorted_blocks_kernel). Session 16 first ran both in one program per SM looping over documents
+# (B256 dD 0.857 ms): ncu found it latency-bound, 2 warps per scheduler waiting on each chunk's dependent loads
+# (run38/call3_ncu_sorted_dd_b256.txt), hence the blocks' own launch. More entries per document (in-batch
+# Nq * Lq > 8192) take the dense kernel
 SORTED_DD_MAX_ENTRIES = 8192
-SORTED_DD_BLOCK_N = 128
+SORTED_DD_BLOCK_N = 64
+# Where the sorted dD is the default (kernel_check --sweep on the device, dD alone): ColPali 32x1030 B256 0.431 ms
+# vs 1.825 dense, B64 0.037 vs 0.144 (session 16, call 10, two launches). 32x300 documents lost with the earlier
+# single kernel (call 1: ColBERT B128 0.186 vs 0.176, KD 64 x 64 candidates 0.232 vs 0.104); not yet timed with two
+SORTED_DD_MIN_TOKENS = 1024
 
 
 _SM_COUNT = {}
@@ -506,7 +518,7 @@ class _BackwardPlan:
     step's launch cost). The tensors, and the strides of the outputs allocated per call, are added at launch."""
     __slots__ = ("n_cs", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid", "dd_scalars",
                  "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e", "fused", "fused_grid", "fused_scalars",
-                 "fused_meta", "fused_meta_key")
+                 "fused_meta", "fused_meta_key", "sort_grid", "sort_scalars", "sort_meta", "sort_meta_key")
 
 
 _BACKWARD_PLANS: dict = {}
@@ -540,9 +552,11 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     flags = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
-    dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", "dense")) if need_dd else None
     n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
     longest = Ld if offsets is None else max_len
+    # hard max: documents of SORTED_DD_MIN_TOKENS or more take the sorted dD, shorter ones the dense one
+    default_dd = "sorted" if longest >= SORTED_DD_MIN_TOKENS else "dense"
+    dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", default_dd)) if need_dd else None
     e_pow2 = _pow2(max(n_entries, 16))                  # the sorted dD's keys per document
     log2_e = e_pow2.bit_length() - 1
     if dd_method == "sorted" and not (d_chunks == 1 and e_pow2 <= SORTED_DD_MAX_ENTRIES
@@ -608,19 +622,24 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                 G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method == "sorted":
-            n_blocks = _cdiv(longest, SORTED_DD_BLOCK_N)
-            # programs loop over documents, one per SM (8 warps of 255 registers fill one), so the scratch of sorted
-            # ids is programs x E_POW2, not documents x E_POW2
-            plan.dd_grid = (min(T, _sm_count()),)
-            plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_entries, T, grad.stride(0), grad.stride(1),
+            sorted_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", SORTED_DD_BLOCK_N)
+            n_blocks = _cdiv(longest, sorted_block_n)
+            nb_pow2 = _pow2(n_blocks + 1)       # the last bin counts the entries without gradient
+            plan.sort_grid = (T,)
+            plan.sort_scalars = (Lq, max(candidates, 1), n_entries, aux.stride(0), aux.stride(1), aux.stride(2))
+            plan.sort_meta = dict(PAIRED=bool(candidates), BLOCK_N=sorted_block_n, E_POW2=e_pow2, LOG2_E=log2_e,
+                                  NB_POW2=nb_pow2, num_warps=8, num_stages=1)
+            plan.sort_meta_key = tuple(plan.sort_meta.items())
+            plan.dd_grid = (T * n_blocks,)
+            plan.dd_scalars = (Lq, d, Ld, max(candidates, 1), n_blocks, grad.stride(0), grad.stride(1),
                                queries.stride(0), queries.stride(1), queries.stride(2),
                                aux.stride(0), aux.stride(1), aux.stride(2))
             g_split = (grad_dtype == torch.float32 and not upcast and queries.dtype in (torch.float16, torch.bfloat16))
-            plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=SORTED_DD_BLOCK_N,
-                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, LOG2_E=log2_e,
-                                NB_POW2=_pow2(n_blocks + 1), UPCAST=upcast, PRECISION=precision,
-                                G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)),
-                                num_warps=8, num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
+            plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=sorted_block_n,
+                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, NB_POW2=nb_pow2, UPCAST=upcast,
+                                PRECISION=precision, G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)),
+                                num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
+                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method != "sparse":
             raise ValueError("BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense', 'sorted' or 'sparse', "
@@ -665,8 +684,9 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
     otherwise be small; beside dD in the single launch, freed before it otherwise); hard-max dD with
-    DD_METHOD="sorted": each program's sorted entry ids, min(documents, SMs) x E_POW2 int16 (E_POW2 = the entries
-    per document, Nq * Lq in-batch or Lq per candidate, rounded up to a power of two; ColPali B256: 2.1 MiB); with
+    DD_METHOD="sorted" (the default for documents of SORTED_DD_MIN_TOKENS or more): each document's sorted entry ids,
+    documents x E_POW2 int16 (E_POW2 = the entries per document, Nq * Lq in-batch or Lq per candidate, rounded up to
+    a power of two; ColPali B256: 4 MiB) and its blocks' starts and counts (documents x 2 x NB_POW2 int32); with
     DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry, plus the sort's own buffers)."""
     device = queries.device
     grad = grad.float()
@@ -714,10 +734,15 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
         elif plan.dd_method == "sorted":
             dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
             if plan.dd_grid[0] > 0:
-                # each program's sorted entry ids of its current document (int16: at most SORTED_DD_MAX_ENTRIES):
-                # programs x E_POW2 x 2 bytes (ColPali B256 on 132 SMs: 2.1 MiB)
-                scratch = torch.empty((plan.dd_grid[0], plan.dd_meta["E_POW2"]), dtype=torch.int16, device=device)
-                _launcher.launch(maxsim_bwd_dd_sorted_kernel, plan.dd_grid, (grad, queries, offs, aux, scratch, dd),
+                # each document's sorted entry ids (int16: at most SORTED_DD_MAX_ENTRIES) and its blocks' starts and
+                # counts: documents x (2 E_POW2 + 8 NB_POW2) bytes (ColPali B256: 4 MiB)
+                n_docs = plan.sort_grid[0]
+                sorted_ids = torch.empty((n_docs, plan.sort_meta["E_POW2"]), dtype=torch.int16, device=device)
+                blocks = torch.empty((n_docs, 2, plan.sort_meta["NB_POW2"]), dtype=torch.int32, device=device)
+                _launcher.launch(maxsim_bwd_dd_sort_kernel, plan.sort_grid, (aux, sorted_ids, blocks),
+                                 plan.sort_scalars, plan.sort_meta, plan.sort_meta_key)
+                _launcher.launch(maxsim_bwd_dd_sorted_blocks_kernel, plan.dd_grid,
+                                 (grad, queries, offs, aux, sorted_ids, blocks, dd),
                                  (*plan.dd_scalars, *out_strides), plan.dd_meta, plan.dd_meta_key)
         else:
             dd = torch.zeros(documents.shape, dtype=dd_dtype, device=device)
