@@ -154,7 +154,8 @@ CASES = [
     Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
     Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
          backward_overrides={"DD_METHOD": "sparse"}),
-    # the sorted dD (an option): each document's arg-max entries sorted in its program (8192 at ColPali B256)
+    # the sorted dD (the default for documents of 1024 tokens or more; forced on the 300-token candidates): each
+    # document's arg-max entries sorted (8192 at ColPali B256), then one program per 64-token block
     Case("train bf16 ColPali B256 sorted dD", lambda: (_q(256, 32, 128), _docs(256, 1030, 128), None, None),
          training=True, backward_overrides={"DD_METHOD": "sorted"}),
     Case("train bf16 KD 8x8 paired sorted dD", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
