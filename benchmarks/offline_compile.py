@@ -302,7 +302,11 @@ def compile_launch(call, target: GPUTarget) -> dict:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options.__dict__)
     md = compiled.metadata
-    return {"kernel": kernel.__name__, "grid": list(grid), "num_warps": md.num_warps, "num_stages": md.num_stages,
+    # whether the launcher's direct C launch can bind this launch's constexprs (else every call of it takes
+    # Triton's slower launch path, silently: session 16's regression)
+    direct = _launcher._constexpr_tail(kernel, len(tensors) + len(scalars), meta) is not None
+    return {"kernel": kernel.__name__, "grid": list(grid), "direct_launch": direct,
+            "num_warps": md.num_warps, "num_stages": md.num_stages,
             "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
             **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))}
 
