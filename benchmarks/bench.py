@@ -141,15 +141,15 @@ COMPRESSED_SHAPES = [
 COMPRESSED_TARGET_BYTES = 0.53
 
 FORWARD_SWEEP_B = [1000, 3000, 10000, 30000, 100000]
+FORWARD_SWEEP_B_QUICK = [1000, 10000, 100000]
+TRAIN_SWEEP_B = [16, 32, 64, 128, 256]
+TRAIN_SWEEP_B_QUICK = [16, 64, 256]
 # Documents of 2^31 elements or more are not given to the peers: late-interaction-kernels 0.4.5 faulted (an illegal
 # memory access, as 32-bit offsets past 2^31 would) on 1x100k 32x300 (3.8e9 elements; session 16, device call 8),
 # and a fault ends the CUDA context for every later measurement of the run
 PEER_MAX_ELEMENTS = 2**31
 PEER_TOO_LARGE = ("the documents have 2^31 elements or more; late-interaction-kernels 0.4.5 faulted on such a "
                   "tensor (illegal memory access) and a fault would end this run's CUDA context")
-FORWARD_SWEEP_B_QUICK = [1000, 10000, 100000]
-TRAIN_SWEEP_B = [16, 32, 64, 128, 256]
-TRAIN_SWEEP_B_QUICK = [16, 64, 256]
 
 
 def _smoke_name(name, Nq, B, Lq, Ld, d) -> str:

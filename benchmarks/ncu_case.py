@@ -50,7 +50,5 @@ def main(name: str, overrides: str = "{}") -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in TRAIN_CASES:
-        train(*sys.argv[1:3])
-    else:
-        main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("int8-1024")
+    case = sys.argv[1] if len(sys.argv) > 1 else "int8-1024"
+    (train if case in TRAIN_CASES else main)(case, *sys.argv[2:3])

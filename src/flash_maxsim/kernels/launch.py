@@ -603,6 +603,11 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                             num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = dd_method
+    # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit parts, whole
+    # (both dD kernels). By default it is rounded to the inputs' dtype, as PyTorch's own 16-bit autograd rounds it:
+    # the split doubles the tensor-core work (session 8, run 17: ColPali B256 dD 3.02 vs 1.82 ms)
+    g_split = bool(BACKWARD_OVERRIDES.get("G_SPLIT", grad_dtype == torch.float32 and not smooth and not upcast
+                                          and queries.dtype in (torch.float16, torch.bfloat16)))
     if need_dd:
         if dd_method == "dense":
             # 1 stage (no software pipelining): session 8, run 16, dD alone, hard max B128 32x300 0.175 vs
@@ -612,14 +617,8 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             n_nblocks = _cdiv(Ld if offsets is None else max_len, dd_block_n)
             plan.dd_grid = (T * n_nblocks * d_chunks,)
             plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
-            # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit
-            # parts, whole. By default it is rounded to the inputs' dtype, as PyTorch's own 16-bit autograd rounds
-            # it: the split doubles the tensor-core work (session 8, run 17: ColPali B256 dD 3.02 vs 1.82 ms)
-            g_split = (grad_dtype == torch.float32 and not smooth and not upcast
-                       and queries.dtype in (torch.float16, torch.bfloat16))
             plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
-                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1),
-                                G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)))
+                                num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1), G_SPLIT=g_split)
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method == "sorted":
             sorted_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", SORTED_DD_BLOCK_N)
@@ -634,10 +633,9 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             plan.dd_scalars = (Lq, d, Ld, max(candidates, 1), n_blocks, grad.stride(0), grad.stride(1),
                                queries.stride(0), queries.stride(1), queries.stride(2),
                                aux.stride(0), aux.stride(1), aux.stride(2))
-            g_split = (grad_dtype == torch.float32 and not upcast and queries.dtype in (torch.float16, torch.bfloat16))
             plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=sorted_block_n,
                                 BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, NB_POW2=nb_pow2, UPCAST=upcast,
-                                PRECISION=precision, G_SPLIT=bool(BACKWARD_OVERRIDES.get("G_SPLIT", g_split)),
+                                PRECISION=precision, G_SPLIT=g_split,
                                 num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
