@@ -568,22 +568,41 @@ def test_smooth_max_and_single_gradients_keep_their_own_launches(monkeypatch):
         assert [k for k, _ in launched] == expected
 
 
-@pytest.mark.parametrize("Ld, expected", [(1024, "sorted"), (300, "fused")])
-def test_hard_max_dd_is_sorted_for_long_documents_and_fused_with_dq_for_short(monkeypatch, Ld, expected):
-    """Hard max: documents of SORTED_DD_MIN_TOKENS tokens or more take the sorted dD (its sort, then its blocks'
-    products) after dQ's own launch; shorter ones one launch for both gradients (the dense dD); the override still
-    picks either."""
+@pytest.mark.parametrize("entries, documents, Ld, expected", [
+    (128 * 32, 128, 300, "dense"),      # ColBERT in-batch B128: 128 documents, under one sort wave of 264
+    (64 * 32, 512, 300, "sorted"),      # ColBERT B64 + 7 negatives
+    (32, 64 * 64, 300, "dense"),        # KD, 64 candidates per query: 32 entries per document
+    (64 * 32, 64, 1030, "sorted"),      # ColPali in-batch B64
+    (256 * 32, 256, 1030, "sorted"),    # ColPali in-batch B256
+], ids=["colbert-b128", "colbert-b64-7neg", "kd", "colpali-b64", "colpali-b256"])
+def test_default_dd_method_on_an_h200_for_the_benchmarked_steps(entries, documents, Ld, expected):
+    """The dD kernel each benchmarked training step takes on an H200 (132 SMs), as session 17's sweep chose."""
+    from flash_maxsim.kernels import launch
+    assert launch.default_dd_method(Ld, entries, documents, sms=132) == expected
+
+
+@pytest.mark.parametrize("Nq, T, Ld, expected", [(2, 3, 1024, "sorted"), (2, 3, 300, "fused"),
+                                                  (32, 8, 300, "sorted"), (32, 7, 300, "fused"),
+                                                  (31, 8, 300, "fused")])
+def test_hard_max_dd_is_sorted_for_long_or_many_documents_and_fused_with_dq_otherwise(monkeypatch, Nq, T, Ld,
+                                                                                      expected):
+    """Hard max: documents of SORTED_DD_MIN_TOKENS tokens or more, or of SORTED_DD_MIN_ENTRIES arg-max entries
+    (here 32 queries x 32 tokens) when there are at least 2 per SM (this CPU stands for 4 SMs), take the sorted dD
+    (its sort, then its blocks' products) after dQ's own launch; the others one launch for both gradients (the
+    dense dD); the override still picks either."""
     from flash_maxsim.kernels import backward as kernels
     from flash_maxsim.kernels import launch
     launched = _recorded_launches(monkeypatch)
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
-    queries, documents = torch.randn(2, 8, 32), torch.randn(3, Ld, 32)
-    aux = torch.zeros(2, 3, 8, dtype=torch.int16)
+    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
+    Lq = 32 if Nq > 2 else 8
+    queries, documents = torch.randn(Nq, Lq, 32), torch.randn(T, Ld, 32)
+    aux = torch.zeros(Nq, T, Lq, dtype=torch.int16)
 
     def kernels_launched(**overrides):
         launched.clear()
         monkeypatch.setattr(launch, "BACKWARD_OVERRIDES", overrides)
-        launch.backward(torch.randn(2, 3), queries, documents, None, None, None, Ld, aux, 0, None, True, True)
+        launch.backward(torch.randn(Nq, T), queries, documents, None, None, None, Ld, aux, 0, None, True, True)
         return [k for k, _ in launched]
     sorted_dd = [kernels.maxsim_bwd_dq_kernel, kernels.maxsim_bwd_dd_sort_kernel,
                  kernels.maxsim_bwd_dd_sorted_blocks_kernel]

@@ -14,17 +14,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs  # noqa: E402
 
 
-def _sorted_dd_scratch(step: TrainingStep, forced=False) -> int:
+def _sorted_dd_scratch(step: TrainingStep, forced=False, sms=132) -> int:
     """Bytes of the sorted hard-max dD's scratch (each document's sorted entry ids, int16, and its token blocks'
-    starts and counts, int32), or 0 where the step takes the dense dD: the smooth max, documents shorter than
-    SORTED_DD_MIN_TOKENS (unless ``forced``), more entries per document than the sort holds."""
+    starts and counts, int32), or 0 where the step takes the dense dD: the smooth max, where launch's
+    default_dd_method picks the dense one on an H200's ``sms`` (unless ``forced``), more entries per document than
+    the sort holds."""
     from flash_maxsim.kernels import launch
     entries = step.Lq if step.kd else step.Nq * step.Lq
     e_pow2 = launch._pow2(max(entries, 16))
-    if step.smooth_tau is not None or e_pow2 > launch.SORTED_DD_MAX_ENTRIES \
-            or not (forced or step.Ld >= launch.SORTED_DD_MIN_TOKENS):
-        return 0
     n_docs = step.Nq * step.B if step.kd else step.B
+    default = launch.default_dd_method(step.Ld, entries, n_docs, sms)
+    if step.smooth_tau is not None or e_pow2 > launch.SORTED_DD_MAX_ENTRIES or not (forced or default == "sorted"):
+        return 0
     nb_pow2 = launch._pow2(launch._cdiv(step.Ld, launch.SORTED_DD_BLOCK_N) + 1)
     return n_docs * (2 * e_pow2 + 2 * nb_pow2 * 4)
 

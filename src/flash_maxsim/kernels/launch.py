@@ -15,6 +15,7 @@ queries' size). Nothing scales with Lq*Ld.
 """
 
 import math
+from typing import Optional
 
 import torch
 
@@ -467,10 +468,25 @@ BACKWARD_OVERRIDES: dict = {}
 # Nq * Lq > 8192) take the dense kernel
 SORTED_DD_MAX_ENTRIES = 8192
 SORTED_DD_BLOCK_N = 64
-# Where the sorted dD is the default (kernel_check --sweep on the device, dD alone): ColPali 32x1030 B256 0.431 ms
-# vs 1.825 dense, B64 0.037 vs 0.144 (session 16, call 10, two launches). 32x300 documents lost with the earlier
-# single kernel (call 1: ColBERT B128 0.186 vs 0.176, KD 64 x 64 candidates 0.232 vs 0.104); not yet timed with two
+# Where the sorted dD is the default (kernel_check --sweep on the device, two launches; backward = dQ + dD):
+# - documents of SORTED_DD_MIN_TOKENS or more: ColPali 32x1030 B256 dD 0.431 ms vs 1.825 dense, B64 0.036 vs 0.144
+#   (session 16, call 10; session 17, call 1);
+# - shorter ones with SORTED_DD_MIN_ENTRIES arg-max entries or more per document and enough documents to fill the
+#   sort's wave (2 programs per SM): ColBERT 32x300 B64 + 7 negatives (512 documents of 2048 entries) backward
+#   0.243 vs 0.336 ms. Below that the dense one, fused with dQ in one launch, is as fast or faster: B128 (128
+#   documents of 4096) 0.171 vs 0.170, KD 64 x 64 candidates (32 entries each) 0.270 vs 0.120 (session 17, call 1)
 SORTED_DD_MIN_TOKENS = 1024
+SORTED_DD_MIN_ENTRIES = 1024
+
+
+def default_dd_method(longest: int, entries_per_document: int, n_documents: int, sms: Optional[int] = None) -> str:
+    """The hard max's dD kernel when no override picks one, on a GPU of ``sms`` SMs (default: this one's): "sorted"
+    or "dense" (the measurements above)."""
+    if longest >= SORTED_DD_MIN_TOKENS:
+        return "sorted"
+    if entries_per_document >= SORTED_DD_MIN_ENTRIES and n_documents >= 2 * (sms or _sm_count()):
+        return "sorted"
+    return "dense"
 
 
 _SM_COUNT = {}
@@ -554,8 +570,7 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
     n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
     longest = Ld if offsets is None else max_len
-    # hard max: documents of SORTED_DD_MIN_TOKENS or more take the sorted dD, shorter ones the dense one
-    default_dd = "sorted" if longest >= SORTED_DD_MIN_TOKENS else "dense"
+    default_dd = default_dd_method(longest, n_entries, T)
     dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", default_dd)) if need_dd else None
     e_pow2 = _pow2(max(n_entries, 16))                  # the sorted dD's keys per document
     log2_e = e_pow2.bit_length() - 1
@@ -682,7 +697,7 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
     otherwise be small; beside dD in the single launch, freed before it otherwise); hard-max dD with
-    DD_METHOD="sorted" (the default for documents of SORTED_DD_MIN_TOKENS or more): each document's sorted entry ids,
+    DD_METHOD="sorted" (the default where default_dd_method picks it): each document's sorted entry ids,
     documents x E_POW2 int16 (E_POW2 = the entries per document, Nq * Lq in-batch or Lq per candidate, rounded up to
     a power of two; ColPali B256: 4 MiB) and its blocks' starts and counts (documents x 2 x NB_POW2 int32); with
     DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry, plus the sort's own buffers)."""
