@@ -139,8 +139,16 @@ CASES = [
     Case("int8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128), None, None),
          forward_overrides={"INT8_PRODUCTS": False}),
     Case("int8 d=384 (converted)", lambda: (_q(1, 32, 384), _quantized(1000, 180, 384), None, None)),
+    # fp8 x fp8 products (session 17): one document per program, runs of documents (the streaming grid), the
+    # compute-bound grid (queries quantised first, TMA), and the conversion to the queries' dtype they replace
     Case("fp8 1x1k 32x300", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
          min_arch=89),
+    Case("fp8 1x3k 32x300 (runs of documents)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128, kind="fp8"),
+                                                        None, None), min_arch=89),
+    Case("fp8 1x4k 1024x1024 (runs of documents by TMA)",
+         lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89),
+    Case("fp8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
+         min_arch=89, forward_overrides={"FP8_PRODUCTS": False}),
     # training: forward saving what the backward needs, then dQ and dD
     Case("train bf16 in-batch B128 32x300", lambda: (_q(128, 32, 128), _docs(128, 300, 128), _mask(128, 32),
                                                      _mask(128, 300)), training=True),

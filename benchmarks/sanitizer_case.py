@@ -163,6 +163,26 @@ def main():
         check("int8 compute-bound grid, bit-cast sums redone", bitcast_redo,
               reference.maxsim(queries_as_scored(neg_q, neg_index).double(), neg_index.dequantize(torch.float64),
                                long_qm), 1e-5)
+        if torch.cuda.get_device_capability() >= (8, 9):
+            # fp8 x fp8 products (session 17): the query quantised to e4m3 in the kernel, one document per program
+            # and runs of documents, and the compute-bound grid (queries quantised before the launch, TMA); the
+            # norm-relative tolerance allows for Hopper's fp8 accumulation (docs/semantics.md)
+            fp8_index, fp8_whole = fm.quantize(d.detach(), dm, dtype="fp8"), fm.quantize(whole.dequantize(bf),
+                                                                                       whole_mask, dtype="fp8")
+            check("fp8 x fp8", fm.maxsim(q.detach(), fp8_index, qm),
+                  reference.maxsim(queries_as_scored(q.detach(), fp8_index).double(),
+                                   fp8_index.dequantize(torch.float64), qm, dm), 1e-3)
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
+                got = fm.maxsim(q2[:1], fp8_whole)
+            check("fp8 grouped, whole tiles", got,
+                  reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
+                                   None, whole_mask), 1e-3)
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                                   MAXNREG=168, TMA_DOCS=True):
+                got = fm.maxsim(long_q, fp8_whole, long_qm)
+            check("fp8 compute-bound grid, whole tiles", got,
+                  reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),
+                                   long_qm, whole_mask), 1e-3)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -72,10 +72,11 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
         return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
                               zero_masked, smooth_tau, save_aux, max_length, document_scales)
     p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
-    if launch.int8_products(documents, document_scales, queries.shape[-1], save_aux):
-        # what the kernels score against an int8 index: the query quantised per token like a document token
+    products = launch.eight_bit_products(documents, document_scales, queries.shape[-1], save_aux)
+    if products is not None:
+        # what the kernels score against an 8-bit index: the query quantised per token like a document token
         from .quantization import dequantized_queries
-        p = dataclasses.replace(p, queries=dequantized_queries(queries))
+        p = dataclasses.replace(p, queries=dequantized_queries(queries, products))
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
         scores, aux = _cpu.forward(p, zero_masked, smooth_tau, save_aux)

@@ -3,14 +3,15 @@
 ``D[t, j] ~= scale[t, j] * values[t, j]`` with ``scale = max_k |D[t, j, k]| / QMAX`` (QMAX = 127 for int8,
 448 for e4m3). Scoring (docs/semantics.md, "A compressed index"):
 
-- int8 with d <= 256: each query token is quantised the same way (in registers by the forward kernel; by
-  :func:`quantize_tokens` before the launch on the grid for long queries over many documents), the tensor cores
-  multiply int8 x int8 into exact int32 sums, and similarity (i, j) is scaled by the query token's
-  and the document token's scales. The score is that of the dequantised query against the dequantised index; the
-  CPU path computes the same (``kernels.launch.int8_products`` says when).
-- fp8, and int8 with d > 256: a document tile is loaded as int8/fp8 (half the bytes of bf16), converted to the
-  queries' dtype (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied on tensor cores
-  with fp32 accumulation, and column ``j`` is scaled by ``scale[t, j]``; the query is not quantised.
+- d <= 256 (int8 or fp8): each query token is quantised the same way, to the index's format (in registers by the
+  forward kernel; by :func:`quantize_tokens` before the launch on the grid for long queries over many documents),
+  the tensor cores multiply 8-bit x 8-bit (int8 into exact int32 sums; fp8 into fp32 sums), and similarity
+  (i, j) is scaled by the query token's and the document token's scales. The score is that of the dequantised
+  query against the dequantised index; the CPU path computes the same (``kernels.launch.eight_bit_products``
+  says when).
+- d > 256: a document tile is loaded as int8/fp8 (half the bytes of bf16), converted to the queries' dtype
+  (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied on tensor cores with fp32
+  accumulation, and column ``j`` is scaled by ``scale[t, j]``; the query is not quantised.
 
 Index bytes per token: d (values) + 4 (scale), against 2*d for bf16: 0.516x at d=128.
 """
@@ -128,17 +129,19 @@ def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor,
     return values, scales
 
 
-def dequantized_queries(queries: torch.Tensor) -> torch.Tensor:
-    """``queries`` quantised per token exactly like document tokens (int8, :func:`quantize_tokens`), then
-    dequantised to fp32: the queries that an int8 index with d <= 256 scores (docs/semantics.md)."""
-    values, scales = quantize_tokens(queries)
+def dequantized_queries(queries: torch.Tensor, dtype: str = "int8") -> torch.Tensor:
+    """``queries`` quantised per token exactly like document tokens (:func:`quantize_tokens`, ``dtype`` "int8" or
+    "fp8"), then dequantised to fp32: the queries that an index of that dtype with d <= 256 scores
+    (docs/semantics.md)."""
+    values, scales = quantize_tokens(queries, dtype)
     return values.float() * scales[..., None]
 
 
 def queries_as_scored(queries: torch.Tensor, index: QuantizedDocuments) -> torch.Tensor:
     """The queries whose MaxSim against ``index.dequantize()`` ``flash_maxsim.maxsim(queries, index)`` computes:
-    :func:`dequantized_queries` for an int8 index with d <= 256, the queries themselves otherwise."""
+    :func:`dequantized_queries` in the index's dtype where d <= 256, the queries themselves otherwise."""
     from .kernels import launch
-    if launch.int8_products(index.values, index.scales, queries.shape[-1], save_aux=False):
-        return dequantized_queries(queries)
+    products = launch.eight_bit_products(index.values, index.scales, queries.shape[-1], save_aux=False)
+    if products is not None:
+        return dequantized_queries(queries, products)
     return queries

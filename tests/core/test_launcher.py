@@ -332,28 +332,28 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
 
     def programs_per_sm(*args):
         return launch.forward_config(*args)["PROGRAMS_PER_SM"]
-    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True) == 8
-    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, False) == 0
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, True) == 24
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, False) == 2
-    assert programs_per_sm(1, 1000, 32, 1024, 128, False, False, torch.float16, False) == 2
-    assert programs_per_sm(1, 10000, 32, 180, 384, False, False, torch.bfloat16, False) == 2   # 3 feature chunks
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, True, torch.bfloat16, False) == 0  # training
-    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.float32, False) == 0
+    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16, "int8") == 8
+    assert programs_per_sm(1, 10000, 32, 300, 128, False, False, torch.bfloat16) == 0
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16, "int8") == 24
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.bfloat16) == 2
+    assert programs_per_sm(1, 1000, 32, 1024, 128, False, False, torch.float16) == 2
+    assert programs_per_sm(1, 10000, 32, 180, 384, False, False, torch.bfloat16) == 2   # 3 feature chunks
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, True, torch.bfloat16) == 0  # training
+    assert programs_per_sm(1, 10000, 1024, 1024, 128, False, False, torch.float32) == 0
     # features padded to the tile (d=96 in 128) in tiles that straddle documents: 8 runs per SM in 128 registers,
     # whole tiles copied by TMA
-    cfg = launch.forward_config(1, 5000, 31, 257, 96, False, False, torch.bfloat16, False)
+    cfg = launch.forward_config(1, 5000, 31, 257, 96, False, False, torch.bfloat16)
     assert cfg["PROGRAMS_PER_SM"] == 8 and cfg["MAXNREG"] == 128 and cfg["TMA_DOCS"] and cfg["BLOCK_D"] == 128
-    assert programs_per_sm(1, 5000, 31, 256, 96, False, False, torch.bfloat16, False) == 2      # whole tiles
+    assert programs_per_sm(1, 5000, 31, 256, 96, False, False, torch.bfloat16) == 2      # whole tiles
     # 128-row programs over runs of whole tiles: 8 warps, TMA copies; 32-row (streaming) ones keep 2 warps, copied
     # by the threads
-    cfg = launch.forward_config(1, 1000, 128, 1024, 128, False, False, torch.bfloat16, False)
+    cfg = launch.forward_config(1, 1000, 128, 1024, 128, False, False, torch.bfloat16)
     assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 8 and cfg["TMA_DOCS"]
-    cfg = launch.forward_config(1, 1000, 32, 1024, 128, False, False, torch.bfloat16, False)
+    cfg = launch.forward_config(1, 1000, 32, 1024, 128, False, False, torch.bfloat16)
     assert cfg["PROGRAMS_PER_SM"] == 2 and cfg["num_warps"] == 2 and not cfg["TMA_DOCS"]
-    assert programs_per_sm(1, 5000, 31, 257, 128, False, False, torch.bfloat16, False) == 0     # d = BLOCK_D
-    assert programs_per_sm(1, 50, 31, 257, 96, False, False, torch.bfloat16, False) == 0        # few tokens
-    assert programs_per_sm(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, True) == 0
+    assert programs_per_sm(1, 5000, 31, 257, 128, False, False, torch.bfloat16) == 0     # d = BLOCK_D
+    assert programs_per_sm(1, 50, 31, 257, 96, False, False, torch.bfloat16) == 0        # few tokens
+    assert programs_per_sm(1, 8, 1024, 1024, 128, False, False, torch.bfloat16, "int8") == 0
 
     def plan(B, Lq, Ld):
         return launch._forward_plan(torch.empty(1, Lq, 128, dtype=torch.bfloat16),
@@ -413,7 +413,7 @@ def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):
     assert fc(1, 5000, 31, 257, 96, False, False)["num_warps"] == 2
     assert fc(1, 1000, 32, 1024, 128, False, False)["num_warps"] == 2
     assert fc(64, 30, 32, 300, 128, True, False)["num_warps"] == 2                 # per-query candidates
-    assert fc(1, 10000, 32, 300, 128, False, False, torch.bfloat16, True)["num_warps"] == 2   # int8 products
+    assert fc(1, 10000, 32, 300, 128, False, False, torch.bfloat16, "int8")["num_warps"] == 2   # int8 products
     assert fc(1, 1000, 32, 300, 128, False, False)["num_warps"] == 4
     assert fc(1, 10000, 32, 180, 384, False, False)["num_warps"] == 4
     assert fc(1, 10000, 32, 300, 128, False, True)["num_warps"] == 4
@@ -424,7 +424,7 @@ def test_bandwidth_bound_scoring_streams_on_two_warps(monkeypatch):
 def test_int8_products_reduce_over_at_least_32_features(d):
     """Triton's int8 tl.dot needs K >= 32 on the GPU (run 11: d = 16 failed to compile; the interpreter does
     not check): narrower feature axes are zero-padded to 32, in one chunk."""
-    cfg = launch.forward_config(1, 100, 32, 300, d, False, False, torch.bfloat16, True)
+    cfg = launch.forward_config(1, 100, 32, 300, d, False, False, torch.bfloat16, "int8")
     assert cfg["BLOCK_D"] >= max(32, d) and cfg["D_CHUNKS"] == 1
 
 

@@ -71,23 +71,35 @@ def test_other_layouts_and_smooth(backend, layout):
     ("sliced", 64, None, "exclude"), ("sliced", 64, 0.2, "zero"), ("grouped", 40, None, "zero"),
     ("grouped", 64, 0.2, "exclude"), ("grouped-whole", 64, None, "zero"), ("grouped-whole", 32, 0.2, "exclude"),
     ("grouped", 48, None, "exclude")])
-def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, smooth, masked, monkeypatch, seed):
-    """int8 x int8 tensor-core products (kernels.launch.int8_products): the kernel quantises each query token
-    exactly as quantization.quantize_tokens quantises a document token (ties included), the integer sums are
-    exact, and the score is the float64 MaxSim of the dequantised query against the dequantised index: in every
-    layout, both masked modes, hard and smooth, d up to 256, documents sliced over several programs (as long ones
-    are), several documents per program (as bandwidth-bound scoring streams them), a zero query token, masked
-    query tokens and an all-masked document."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layout, d, smooth, masked, monkeypatch,
+                                                                     seed):
+    """8-bit tensor-core products (kernels.launch.eight_bit_products): the kernel quantises each query token
+    exactly as quantization.quantize_tokens quantises a document token, to the index's format (ties included), and
+    the score is the float64 MaxSim of the dequantised query against the dequantised index (int8: exact integer
+    sums; fp8: fp32 sums, on Hopper within its fp8 tensor cores' accumulation, below): in every layout, both
+    masked modes, hard and smooth, d up to 256, documents sliced over several programs (as long ones are), several
+    documents per program (as bandwidth-bound scoring streams them), a zero query token, masked query tokens and
+    an all-masked document."""
     from flash_maxsim.kernels import launch
     from flash_maxsim.quantization import quantize_tokens
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    if kind == "fp8" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 documents need compute capability >= 8.9")
     dev = _device()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(3, 5, d, generator=g)
     q[1, 2] = 0                                              # a zero query token: scale 0
     q[0, 1] = 0
-    q[0, 1, :3] = torch.tensor([127.0, 0.5, 1.5])           # scale exactly 1: two exact ties, rounded to even
+    if kind == "int8":
+        q[0, 1, :3] = torch.tensor([127.0, 0.5, 1.5])       # scale exactly 1: two exact ties, rounded to even
+        rounded = [127, 0, 2]
+    else:
+        # scale exactly 1: ties between e4m3 neighbours (16 | 18, 18 | 20, 0 | 2^-9, 2^-9 | 2^-8) rounded to even,
+        # a value rounded up into the next binade, one into the normal range from the subnormals, a subnormal
+        q[0, 1, :8] = torch.tensor([448.0, 17.0, 19.0, 2**-10, 3 * 2**-10, 1.97, 2**-6 - 2**-11, 0.0139])
+        rounded = [448.0, 16.0, 20.0, 0.0, 2**-8, 2.0, 2**-6, 0.013671875]
     qm = torch.rand(3, 5, generator=g) > 0.2
     qm[:, 0] = True
     if layout == "candidates":
@@ -106,8 +118,8 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
         dm = torch.rand(n_docs, length, generator=g) > 0.3
         dm[1] = False
     to_dev = (lambda x: [t.to(dev) for t in x]) if isinstance(docs, list) else (lambda x: x.to(dev))
-    index = fm.quantize(to_dev(docs), to_dev(dm))
-    q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
+    index = fm.quantize(to_dev(docs), to_dev(dm), dtype=kind)
+    q, qm = q.to(dev, torch.float32 if kind == "fp8" else torch.bfloat16), qm.to(dev)
 
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     if layout == "sliced":
@@ -137,13 +149,20 @@ def test_int8_products_score_the_dequantized_query_against_the_index(layout, d, 
     assert plan.meta["PREFETCH_TOKENS"] == prefetch
     assert plan.meta["Q_QUANTIZED"] == (d in (64, 96))
     assert plan.meta["TMA_DOCS"] == (tma and (launch.interpreting() or torch.cuda.get_device_capability() >= (9, 0)))
-    values, scales = quantize_tokens(q)
-    assert scales[1, 2] == 0 and (values[1, 2] == 0).all()
-    assert values[0, 1, :3].tolist() == [127, 0, 2]
+    values, scales = quantize_tokens(q, kind)
+    assert scales[1, 2] == 0 and (values[1, 2].float() == 0).all()
+    assert values[0, 1, :len(rounded)].float().tolist() == rounded
     dequantized_q = values.double() * scales.double()[..., None]
     ref = reference.maxsim(dequantized_q, index.dequantize(torch.float64), qm, to_dev(dm), masked=masked,
                            smooth_tau=smooth)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    if kind == "fp8" and torch.cuda.is_available():
+        # Hopper's fp8 tensor cores sum a similarity's products in fewer than fp32's bits (~2^-14 of the largest
+        # term, docs/semantics.md): bounded by the same MaxSim on absolute values
+        bound = reference.maxsim(dequantized_q.abs(), index.dequantize(torch.float64).abs(), qm, to_dev(dm),
+                                 masked=masked)
+        assert ((got.double() - ref).abs() <= 1e-4 + 2**-9 * bound).all(), (got.double() - ref).abs().max()
+    else:
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     with force_backend("torch"):     # the CPU path computes the same function
         torch.testing.assert_close(fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth).double(), ref,
                                    rtol=1e-5, atol=1e-4)
@@ -178,12 +197,15 @@ def test_int8_products_several_documents_per_program_with_query_splits(smooth, m
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
+def test_8bit_products_only_where_one_tile_holds_the_features(monkeypatch):
     from flash_maxsim.kernels import launch
     index = fm.quantize(torch.randn(2, 3, 300))
-    assert launch.int8_products(index.values, index.scales, 256, save_aux=False)
-    assert not launch.int8_products(index.values, index.scales, 300, save_aux=False)
-    assert not launch.int8_products(index.values.float(), None, 256, save_aux=False)
+    assert launch.eight_bit_products(index.values, index.scales, 256, save_aux=False) == "int8"
+    assert launch.eight_bit_products(index.values, index.scales, 300, save_aux=False) is None
+    assert launch.eight_bit_products(index.values.float(), None, 256, save_aux=False) is None
+    fp8 = fm.quantize(torch.randn(2, 3, 64), dtype="fp8")
+    assert launch.eight_bit_products(fp8.values, fp8.scales, 64, save_aux=False) == "fp8"
+    assert launch.eight_bit_products(fp8.values, fp8.scales, 64, save_aux=True) is None
     q = torch.randn(2, 4, 300)
     assert queries_as_scored(q, index) is q                                  # d > 256: the query as it is
     small = fm.quantize(torch.randn(2, 3, 64))
@@ -191,8 +213,12 @@ def test_int8_products_only_where_one_tile_holds_the_features(monkeypatch):
     assert not torch.equal(queries_as_scored(q, small), q)                  # quantised, within its rounding
     assert (queries_as_scored(q, small) - q).abs().max() <= q.abs().amax() / 254 * 1.0001
     monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", False)   # the tuning hook's comparison path
-    assert not launch.int8_products(small.values, small.scales, 64, save_aux=False)
+    assert launch.eight_bit_products(small.values, small.scales, 64, save_aux=False) is None
     assert queries_as_scored(q, small) is q
+    # fp8: quantised to e4m3 per token (3 mantissa bits: within 2^-4 of each value, or 2^-9 of the scale)
+    assert (queries_as_scored(q, fp8) - q).abs().max() <= (q.abs() / 16 + q.abs().amax(-1, keepdim=True) / 448 / 2**9).max()
+    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "FP8_PRODUCTS", False)
+    assert queries_as_scored(q, fp8) is q
 
 
 @pytest.mark.parametrize("backend, quantize_first", [("torch", False), ("triton", False), ("triton", True)],
@@ -220,7 +246,7 @@ def test_non_finite_query_tokens_score_nan_against_an_int8_index(backend, quanti
         qm = torch.ones(3, 4, dtype=torch.bool, device=dev)
         qm[0, 1] = qm[1, 2] = False
         masked = fm.maxsim(q, index, qm)
-    assert launch.int8_products(index.values, index.scales, 16, save_aux=False)
+    assert launch.eight_bit_products(index.values, index.scales, 16, save_aux=False) == "int8"
     assert got[:2, :2].isnan().all() and not got[2].isnan().any()
     assert (got[:2, 2] == 0).all()                                       # the all-masked document
     finite = q.masked_fill(~qm[..., None], 0.0)

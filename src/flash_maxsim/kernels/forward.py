@@ -38,8 +38,9 @@ def _similarity_tile(
     INT_DOT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
     D_DESC=None, tma_row=0, TMA: tl.constexpr = False, BITCAST_SUMS: tl.constexpr = False,
 ):
-    """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only: int8 x int8 products summed
-    exactly in int32, then converted; |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too). With
+    """S[rows, cols] = <q_row, d_col>, fp32 accumulation (``INT_DOT``, one d-chunk only, 8-bit products: int8 x int8
+    summed exactly in int32, then converted, |sum| <= 127^2 d < 2^24 for d <= 1040, so the conversion is exact too;
+    fp8 x fp8 summed in fp32; under the interpreter fp8 values come as fp32 numbers, multiplied as such). With
     one d-chunk the query tile is already loaded. ``col_ok`` is read only when ``PARTIAL`` (a whole tile's tokens
     all exist) or ``WHOLE_TILE_MASKS`` (masked loads anyway: faster for some tiles); ``EVEN_D``: d == BLOCK_D, no
     feature mask (one d-chunk only). ``TMA`` (a whole tile): the tile is rows ``tma_row + [0, BLOCK_N)`` of the
@@ -57,12 +58,17 @@ def _similarity_tile(
             d_tile = tl.load(d_ptrs)
         else:
             d_tile = tl.load(d_ptrs, mask=(d_cols0 < d)[None, :], other=0.0)
-        # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents)
+        # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents and for 8-bit
+        # products)
         d_tile = d_tile.to(q_tile.dtype)
-        if INT_DOT and BITCAST_SUMS:
+        if INT_DOT and BITCAST_SUMS and q_tile.dtype == tl.int8:
             s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32, bitcast=True)
-        elif INT_DOT:
+        elif INT_DOT and q_tile.dtype == tl.int8:
             s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
+        elif INT_DOT and q_tile.dtype == tl.float8e4nv:
+            # fp8 x fp8 products summed in fp32 (on Hopper with its fp8 tensor cores' own accumulation, ~2^-14 of
+            # the largest product's magnitude per sum: docs/semantics.md)
+            s = tl.dot(q_tile, tl.trans(d_tile), out_dtype=tl.float32)
         else:
             s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
     else:
@@ -81,6 +87,19 @@ def _similarity_tile(
             dk = dk.to(qk.dtype)
             s += tl.dot(qk, tl.trans(dk), input_precision=PRECISION)
     return s
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """``y`` (|y| <= 448) rounded half to even to the nearest e4m3 value, as fp32 (then exactly convertible): 3
+    mantissa bits from 2^-6 up (the fp32 bits, half an ulp minus one and the kept last bit added, the 20 bits below
+    cleared), multiples of 2^-9 below (the subnormals: the 1.5 * 2^14 trick). As PyTorch's conversion to
+    float8_e4m3fn rounds; done in fp32 arithmetic because Triton's interpreter does not round that conversion so."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (y + 24576.0) - 24576.0
+    y = tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
 
 
 @triton.jit
@@ -435,26 +454,37 @@ def maxsim_fwd_kernel(
             q_tile = q_tile.to(tl.float32)
     q_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     if Q_QUANTIZED:
-        # int8 x int8 products on queries quantised before the launch (quantization.quantize_tokens): Q holds their
-        # int8 values, QSCALES their scales, contiguous [Nq, Lq]. A loaded (not computed) query tile is the tensor
-        # cores' operand straight from shared memory, not reloaded into registers for every document tile
-        q_tile = q_tile.to(tl.int8)
+        # 8-bit products on queries quantised before the launch (quantization.quantize_tokens): Q holds their int8
+        # or fp8 values, QSCALES their scales, contiguous [Nq, Lq]. A loaded (not computed) query tile is the tensor
+        # cores' operand straight from shared memory, not reloaded into registers for every document tile. Under
+        # the interpreter (UPCAST) fp8 values are multiplied as fp32 numbers: its fp8 tl.dot is not exact
+        if Q.dtype.element_ty == tl.int8:
+            q_tile = q_tile.to(tl.int8)
+        elif not UPCAST:
+            q_tile = q_tile.to(Q.dtype.element_ty)
         q_scale = tl.load(QSCALES + qidx.to(tl.int64) * Lq + tok, mask=row_ok, other=1.0)
         # a NaN or infinite query token scores NaN, as the in-kernel quantisation below makes it
         q_scale = tl.where(q_scale < float("inf"), q_scale, float("nan"))
         q_scale = tl.where(row_ok, q_scale, 1.0)
     elif QUANTIZE_Q:
-        # int8 x int8 products (int8 documents, D_CHUNKS == 1): each query token quantised here exactly as
-        # quantization.quantize_tokens does it (scale = amax / 127, IEEE division, round half to even through
-        # the 1.5 * 2^23 trick, valid for |y| <= 127), so the score is that of the dequantised query
+        # 8-bit products (int8 or fp8 documents, D_CHUNKS == 1): each query token quantised here exactly as
+        # quantization.quantize_tokens does it (scale = amax / QMAX, IEEE division, then round half to even), so
+        # the score is that of the dequantised query
+        FP8: tl.constexpr = D.dtype.element_ty == tl.float8e4nv
         qf = q_tile.to(tl.float32)
         amax = tl.reduce(tl.abs(qf), 1, _max_propagating_nan)
-        q_scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 127.0, tl.float32))
+        q_scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0 if FP8 else 127.0, tl.float32))
         # a NaN or infinite query token scores NaN, as its dequantised form (scale NaN or inf) does on the CPU
         q_scale = tl.where(amax < float("inf"), q_scale, float("nan"))
         y = tl.math.div_rn(qf, tl.where(q_scale > 0, q_scale, 1.0)[:, None])
-        y = (y + 12582912.0) - 12582912.0
-        q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+        if FP8:
+            q_tile = _round_to_e4m3(y)
+            if not UPCAST:
+                q_tile = q_tile.to(tl.float8e4nv)
+        else:
+            # to an integer through the 1.5 * 2^23 trick, valid for |y| <= 127
+            y = (y + 12582912.0) - 12582912.0
+            q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
         q_scale = tl.where(row_ok, q_scale, 1.0)
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)

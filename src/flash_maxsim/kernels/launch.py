@@ -93,11 +93,15 @@ def _row_tiling(Nq, Lq, paired, rows):
     return tokb, qpb
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, int8_products=False):
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None):
+    """The forward's tiling and grid choices. ``products``: ``"int8"`` / ``"fp8"`` for 8-bit products
+    (eight_bit_products), None otherwise."""
     tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
     block_d, d_chunks = feature_tiling_for(d, dtype)
-    if int8_products:
-        # integer tensor-core products reduce over at least 32 features (Triton refuses a narrower int8 tl.dot
+    # fp8 products are tiled as int8 ones were measured (fp8's own choices unmeasured: session 17)
+    eight_bit = products is not None
+    if eight_bit:
+        # 8-bit tensor-core products reduce over at least 32 features (Triton refuses a narrower 8-bit tl.dot
         # on the GPU; the interpreter does not check): d < 32 is zero-padded to 32 by the masked loads
         block_d, d_chunks = max(block_d, 32), 1
     # measured on H200 (docs/perf-notes.md, runs 2 and 6): 4 warps; 3 stages since the peeled last tile (run 6:
@@ -116,7 +120,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
         tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
         if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
-            if int8_products:
+            if eight_bit:
                 # integer products: 128 rows x 128-token tiles on 4 warps instead (session 5, 1x10k 1024x1024:
                 # 5.89 vs 7.95 ms with 256 rows x 64 tokens), several documents per program so that each program
                 # quantises its query rows once for all of them (session 7, run 12, 4 documents: 4.75 vs 5.95 ms);
@@ -130,7 +134,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 3.04: no per-thread copy addresses, ~45 of ~600 instructions per tile)
                 cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True,
                            TMA_DOCS=True)
-                if max_len % 128 == 0:
+                if max_len % 128 == 0 and products == "int8":
                     # documents of whole tiles: the int32 sums read as fp32 bits, not converted, on 2 stages
                     # (session 16, device call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms; 3 stages 2.530,
                     # 4 stages 2.765). Straddling runs keep the conversion (offline sm_90: 1520 vs 1415
@@ -163,7 +167,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # 32x1024 0.0746 vs 0.0762, d=96 0.0817 vs 0.0896). Not below ~0.5M streamed tokens (1x1k 32x300:
             # 0.0501 vs 0.0457) and not for d > 256 (d=384: 0.49 vs 0.37)
             cfg["num_warps"] = 2
-            if (dtype in (torch.bfloat16, torch.float16) and not int8_products and cfg["D_CHUNKS"] == 1
+            if (dtype in (torch.bfloat16, torch.float16) and not eight_bit and cfg["D_CHUNKS"] == 1
                     and d < cfg["BLOCK_D"] and max_len % cfg["BLOCK_N"] != 0):
                 # features padded to the tile (d=96 in 128): runs of documents (no partial tile per document) at 8
                 # programs per SM in 128 registers (session 13, 1x5k 31x257 d=96 against 0.0817 ms: 0.0804; 16 per
@@ -171,7 +175,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # d (session 13: 0.0791; session 14: 0.0782 vs 0.0807), now that the direct launch encodes the
                 # descriptor once per index (kernels/_launcher.py: ~2 us of host time per call, was ~15)
                 cfg.update(PROGRAMS_PER_SM=8, MAXNREG=128, TMA_DOCS=True)
-        if int8_products:
+        if eight_bit:
             # several documents per program: the query tile loaded and quantised once for all of them (session 5,
             # 4 per program: 1x10k 32x300 0.125 vs 0.156 ms, 32x1030 0.361 vs 0.394), as many as make 8 programs
             # per SM, one equal share each (session 9, device call 1, 2 warps: 0.1123 and 0.3346 ms against 0.1277
@@ -186,7 +190,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # Not TMA copies (session 12: 0.1112 vs 0.1121; session 14, with the descriptor encoded once: 0.1104 vs
             # 0.1093) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
             cfg["MAXNREG"] = 128
-    if (dtype in (torch.bfloat16, torch.float16) and not int8_products and not save_aux and cfg["DSPLIT"] == 1
+    if (dtype in (torch.bfloat16, torch.float16) and not eight_bit and not save_aux and cfg["DSPLIT"] == 1
             and (max_len % cfg["BLOCK_N"] == 0 or cfg["D_CHUNKS"] > 1)):
         # 16-bit documents of whole tiles (or chunked features): runs of several documents, 2 programs per SM
         # (session 10, run 22, against one document per program: 1x1k 32x1024 0.0728 vs 0.0745 ms, 128x1024 0.0758
@@ -225,15 +229,21 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
-def int8_products(documents: torch.Tensor, document_scales, d: int, save_aux: bool) -> bool:
-    """Whether int8 documents are scored with int8 x int8 tensor-core products, each query token quantised in the
-    kernel like a document token, rather than converted to the queries' dtype in registers. Only with the whole
-    feature axis in one tile (d <= 256), scoring only. Faster on every int8 row measured (docs/perf-notes.md,
-    session 5: 1x10k 32x300 0.125 vs 0.170 ms, 32x1030 0.361 vs 0.507, 1024x1024 5.89 vs 7.13), within the
-    fidelity budget (benchmarks/results/quantized-query-fidelity.json). ``FORWARD_OVERRIDES["INT8_PRODUCTS"] =
-    False`` switches back to the conversion for comparison."""
-    return (document_scales is not None and documents.dtype == torch.int8 and d <= 256 and not save_aux
-            and bool(FORWARD_OVERRIDES.get("INT8_PRODUCTS", True)))
+def eight_bit_products(documents: torch.Tensor, document_scales, d: int, save_aux: bool):
+    """``"int8"`` or ``"fp8"`` where quantized documents are scored with 8-bit x 8-bit tensor-core products, each
+    query token quantised like a document token (in the kernel, or just before it), rather than converted to the
+    queries' dtype in registers; None otherwise. Only with the whole feature axis in one tile (d <= 256), scoring
+    only. int8: faster on every row measured (docs/perf-notes.md, session 5: 1x10k 32x300 0.125 vs 0.170 ms, 32x1030
+    0.361 vs 0.507, 1024x1024 5.89 vs 7.13), within the fidelity budget
+    (benchmarks/results/quantized-query-fidelity.json). fp8: Hopper's fp8 tensor cores (session 17).
+    ``FORWARD_OVERRIDES["INT8_PRODUCTS"]`` / ``["FP8_PRODUCTS"] = False`` switch back to the conversion."""
+    if document_scales is None or d > 256 or save_aux:
+        return None
+    if documents.dtype == torch.int8 and FORWARD_OVERRIDES.get("INT8_PRODUCTS", True):
+        return "int8"
+    if documents.dtype == getattr(torch, "float8_e4m3fn", None) and FORWARD_OVERRIDES.get("FP8_PRODUCTS", True):
+        return "fp8"
+    return None
 
 
 def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
@@ -246,11 +256,12 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if document_scales is not None and queries.is_cuda and documents.dtype != torch.int8 \
             and torch.cuda.get_device_capability(queries.device) < (8, 9):
         raise TypeError("fp8 documents need a GPU with native fp8 (compute capability >= 8.9); use dtype='int8'")
-    quantize_q = int8_products(documents, document_scales, d, save_aux)
+    products = eight_bit_products(documents, document_scales, d, save_aux)
+    quantize_q = products is not None
     # queries quantised in the kernel: tiled like bf16 ones (both on tensor cores)
     cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux,
-                         torch.bfloat16 if quantize_q else queries.dtype, quantize_q)
-    # or quantised before the launch (forward() does it), read by the kernel as contiguous int8 values
+                         torch.bfloat16 if quantize_q else queries.dtype, products)
+    # or quantised before the launch (forward() does it), read by the kernel as contiguous 8-bit values
     q_quantized = quantize_q and bool(cfg["QUANTIZE_FIRST"])
     q_strides = _contiguous_strides((Nq, Lq, d)) if q_quantized else queries.stride()
     tokb, qpb, n_ds = cfg["TOKB"], cfg["QPB"], cfg["DSPLIT"]
@@ -326,7 +337,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None, HAS_DMASK=documents_mask is not None,
         ZERO_MASKED=bool(zero_masked), SMOOTH=smooth, SAVE_AUX=bool(save_aux) and not row_out,
         QPB=qpb, TOKB=tokb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], D_CHUNKS=cfg["D_CHUNKS"],
-        UPCAST=interpreting() and queries.dtype == torch.bfloat16,
+        # bf16 tl.dot, and fp8 conversions and tl.dot, are not exact under the interpreter: fp32 there
+        UPCAST=interpreting() and (queries.dtype == torch.bfloat16 or products == "fp8"),
         PRECISION=cfg.get("PRECISION", _precision(queries.dtype)),
         PEEL_TAIL=cfg["PEEL_TAIL"], MULTI_DOC=docs > 1, FLAT_RUN=flat_run,
         STRADDLE=flat_run and Ld % cfg["BLOCK_N"] != 0,
@@ -339,7 +351,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         Q_QUANTIZED=q_quantized, TMA_DOCS=tma_docs,
         # int8 x int8 sums read as fp32 bits, not converted (kernels/forward.py, _tile_similarities): the hard max
         # over runs of documents
-        BITCAST_SUMS=flat_run and quantize_q and not smooth and bool(cfg["BITCAST_SUMS"]),
+        BITCAST_SUMS=flat_run and products == "int8" and not smooth and bool(cfg["BITCAST_SUMS"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     # tests only: False runs the bit-cast pass alone, without the exact second pass where it falls short
@@ -407,9 +419,9 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device) if plan.aux_shape is not None else None
     query_scales = None
     if plan.meta["Q_QUANTIZED"]:
-        # the compute-bound int8 grid: a few small PyTorch launches (tens of us) before a kernel of milliseconds
+        # the compute-bound 8-bit grid: a few small PyTorch launches (tens of us) before a kernel of milliseconds
         from ..quantization import quantize_tokens
-        queries, query_scales = quantize_tokens(queries)
+        queries, query_scales = quantize_tokens(queries, "int8" if documents.dtype == torch.int8 else "fp8")
     tensors = (queries, documents,
                queries_mask if queries_mask is not None else dummy,
                documents_mask if documents_mask is not None else dummy,
