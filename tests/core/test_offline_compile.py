@@ -96,11 +96,26 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
     assert set(_by_case(rows, runs)["mma"]) == {"wgmma s8"}
     assert not _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["TMA_DOCS"]
     assert not _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["Q_QUANTIZED"]
-    # the conversion paths (switched off, d > 256, fp8) multiply in bf16
-    for case in ("int8 converted", "int8 d=384 (converted)", "fp8 1x1k 32x300"):
+    # the conversion paths (switched off, d > 256) multiply in bf16
+    for case in ("int8 converted", "int8 d=384 (converted)", "fp8 converted"):
         row = _by_case(rows, case)
         assert not row["meta"]["QUANTIZE_Q"] and row["meta"]["HAS_SCALES"]
         assert set(row["mma"]) == {"mma.sync bf16"}, (case, row["mma"])
+
+
+def test_fp8_index_uses_fp8_tensor_cores_where_hopper_has_them(hopper):
+    """fp8 x fp8 products (the query quantised to e4m3): wgmma e4m3 on the compute-bound grid (queries quantised
+    first, TMA, no spills); the 32-row streaming tiles have no fp8 mma.sync on Hopper, and Triton converts the
+    e4m3 operands to fp16 for it."""
+    _, rows = hopper
+    compute = _by_case(rows, "fp8 1x4k 1024x1024 (runs of documents by TMA)")
+    assert compute["meta"]["QUANTIZE_Q"] and compute["meta"]["Q_QUANTIZED"] and compute["meta"]["TMA_DOCS"]
+    assert not compute["meta"]["BITCAST_SUMS"]          # fp32 sums already: nothing to bit-cast
+    assert set(compute["mma"]) == {"wgmma e4m3"} and compute["local_bytes"] == 0
+    for case in ("fp8 1x1k 32x300", "fp8 1x3k 32x300 (runs of documents)"):
+        row = _by_case(rows, case)
+        assert row["meta"]["QUANTIZE_Q"] and not row["meta"]["Q_QUANTIZED"]
+        assert set(row["mma"]) == {"mma.sync f16"}, (case, row["mma"])
 
 
 def test_bitcast_sums_take_no_conversion_per_similarity(hopper):

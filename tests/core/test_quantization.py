@@ -1,5 +1,6 @@
 """Quantized (int8 / fp8) documents: the kernels score exactly the dequantized index, in every layout."""
 
+import dataclasses
 import io
 
 import pytest
@@ -23,6 +24,26 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _assert_scores_match(got, queries, index, queries_mask=None, documents_mask=None, masked="exclude",
+                         smooth_tau=None):
+    """``got`` against the float64 MaxSim of ``queries`` (as scored: dequantised where the index's products
+    quantise them) and the dequantised index. fp8 on a GPU: Hopper's fp8 tensor cores sum a similarity's products
+    in fewer than fp32's bits (~2^-14 of the largest term, docs/semantics.md), so each score is within 2^-9 of the
+    same MaxSim on absolute values (the smooth max moves no more than its inputs' largest error)."""
+    qs = queries_as_scored(queries, index).double()
+    ref = reference.maxsim(qs, index.dequantize(torch.float64), queries_mask, documents_mask, masked=masked,
+                           smooth_tau=smooth_tau)
+    if index.kind == "fp8" and got.is_cuda:
+        absolute = dataclasses.replace(index, values=index.values.float().abs().to(index.values.dtype))
+        bound = reference.maxsim(qs.abs(), absolute.dequantize(torch.float64), queries_mask, documents_mask,
+                                 masked=masked)
+        err = (got.double() - ref).abs()
+        assert (err <= 1e-4 + 2**-9 * bound).all(), (err.max(), (err / bound).max())
+    else:
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    return ref
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("masked", ["exclude", "zero"])
@@ -38,8 +59,7 @@ def test_padded_scores_equal_reference_on_dequantized_index(backend, kind, maske
     qd = fm.quantize(d, dm, dtype=kind)
     with force_backend(backend):
         got = fm.maxsim(q, qd, masked=masked)
-    ref = reference.maxsim(queries_as_scored(q, qd).double(), qd.dequantize(torch.float64), None, dm, masked=masked)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    _assert_scores_match(got, q, qd, None, dm, masked=masked)
     # and the index is a faithful approximation of the original documents
     exact = reference.maxsim(q.double(), d.double(), None, dm, masked=masked)
     tol = 0.01 if kind == "int8" else 0.05
@@ -152,17 +172,8 @@ def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layou
     values, scales = quantize_tokens(q, kind)
     assert scales[1, 2] == 0 and (values[1, 2].float() == 0).all()
     assert values[0, 1, :len(rounded)].float().tolist() == rounded
-    dequantized_q = values.double() * scales.double()[..., None]
-    ref = reference.maxsim(dequantized_q, index.dequantize(torch.float64), qm, to_dev(dm), masked=masked,
-                           smooth_tau=smooth)
-    if kind == "fp8" and torch.cuda.is_available():
-        # Hopper's fp8 tensor cores sum a similarity's products in fewer than fp32's bits (~2^-14 of the largest
-        # term, docs/semantics.md): bounded by the same MaxSim on absolute values
-        bound = reference.maxsim(dequantized_q.abs(), index.dequantize(torch.float64).abs(), qm, to_dev(dm),
-                                 masked=masked)
-        assert ((got.double() - ref).abs() <= 1e-4 + 2**-9 * bound).all(), (got.double() - ref).abs().max()
-    else:
-        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(queries_as_scored(q, index), values.float() * scales[..., None])
+    ref = _assert_scores_match(got, q, index, qm, to_dev(dm), masked=masked, smooth_tau=smooth)
     with force_backend("torch"):     # the CPU path computes the same function
         torch.testing.assert_close(fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth).double(), ref,
                                    rtol=1e-5, atol=1e-4)
