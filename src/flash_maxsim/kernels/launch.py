@@ -212,7 +212,7 @@ class _ForwardPlan:
     """Everything about one forward launch that depends only on shapes, strides, dtypes and flags."""
 
     __slots__ = ("grid", "scalars", "meta", "meta_key", "scores_shape", "aux_shape", "aux_dtype", "row_out",
-                 "n_splits", "docs", "combine")
+                 "n_splits", "docs", "combine", "products")
 
 
 # (shapes, strides, dtypes, flags) -> _ForwardPlan. Building a plan costs ~30 us of Python; a scoring call in a
@@ -292,6 +292,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
                 and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 32 or (cfg["BLOCK_N"] >= 128 and tokb * qpb <= 128))
                 and bool(cfg.get("FLAT_RUN", True)))
     plan = _ForwardPlan()
+    plan.products = products
     plan.row_out = row_out = n_ds > 1
     plan.n_splits = n_splits
     plan.docs = docs
@@ -421,7 +422,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     if plan.meta["Q_QUANTIZED"]:
         # the compute-bound 8-bit grid: a few small PyTorch launches (tens of us) before a kernel of milliseconds
         from ..quantization import quantize_tokens
-        queries, query_scales = quantize_tokens(queries, "int8" if documents.dtype == torch.int8 else "fp8")
+        queries, query_scales = quantize_tokens(queries, plan.products)
     tensors = (queries, documents,
                queries_mask if queries_mask is not None else dummy,
                documents_mask if documents_mask is not None else dummy,
