@@ -95,6 +95,9 @@ CASES = [
     Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x2k 32x300 (streaming on 2 warps)", lambda: (_q(1, 32, 128), _docs(2000, 300, 128), None, None)),
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
+    # the same with one running max per row (no partial row maxima: the default before session 18)
+    Case("bf16 64x1k 32x300 (256 rows) one max per row", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None,
+                                                                  None), forward_overrides={"ROW_PARTIALS": 1}),
     Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
     Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
     Case("bf16 smooth 4x8 32x4096 masks (token split)", lambda: (_q(4, 32, 128), _docs(8, 4096, 128), _mask(4, 32),
@@ -321,7 +324,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
 
 _SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",
                "SAVE_AUX", "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL",
-               "MULTI_DOC")
+               "MULTI_DOC", "ROW_PARTIALS")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

@@ -90,6 +90,19 @@ def main():
         check("runs of documents, whole tiles, smooth", got_runs,
               reference.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1), 1e-5)
         check("runs of documents, d=384 straddling", got_wide, reference.maxsim(wide_q, wide), 1e-5)
+        # partial row maxima (the default of 256-row tiles, 128-row token splits and the fp8 compute-bound grid) in
+        # 256-row programs: one document per program with its peeled last tile, runs of whole tiles (masked), a
+        # token split
+        q256 = torch.randn(8, 32, 128, device=dev, dtype=bf)
+        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
+            got_one = fm.maxsim(q256, wide[:, :, :128].contiguous())
+            got_split = fm.maxsim(q256, few[0])
+        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=4, PROGRAMS_PER_SM=0):
+            got_runs = fm.maxsim(q256, runs, None, runs_mask)
+        check("partial row maxima, one document per program", got_one,
+              reference.maxsim(q256, wide[:, :, :128]), 1e-5)
+        check("partial row maxima, token split", got_split, reference.maxsim(q256, few[0]), 1e-5)
+        check("partial row maxima, runs of whole tiles", got_runs, reference.maxsim(q256, runs, None, runs_mask), 1e-5)
         # d = 96 (features padded to 128) in runs whose tiles straddle documents, whole tiles copied by TMA with
         # the padded features zero-filled (the default for such streaming rows), or by the threads; twice each, the
         # second call through the cached launch (the descriptor encoded once)
@@ -178,7 +191,7 @@ def main():
                   reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
                                    None, whole_mask), 1e-3)
             with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                                   MAXNREG=168, TMA_DOCS=True):
+                                   MAXNREG=168, TMA_DOCS=True, ROW_PARTIALS=8):
                 got = fm.maxsim(long_q, fp8_whole, long_qm)
             check("fp8 compute-bound grid, whole tiles", got,
                   reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flash_maxsim
+from flash_maxsim import reference
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
@@ -88,3 +89,87 @@ def test_nan_policy():
         for tau in (None, 0.5):
             out = flash_maxsim.maxsim(q, d, None, mask, smooth_tau=tau)
             assert out.isfinite().all(), out
+
+
+def _row_partial_cases():
+    """(name, builder of (scores function, float64 reference), FORWARD_OVERRIDES): every loop that can keep
+    partial row maxima, at interpreter size."""
+    def padded(masked):
+        def build(g):
+            q = torch.randn(3, 16, 64, generator=g)
+            d = torch.randn(5, 128, 64, generator=g)
+            d[3, 17, 5] = float("nan")                    # an unmasked NaN token: its document scores NaN
+            qm = torch.rand(3, 16, generator=g) > 0.2
+            dm = torch.rand(5, 128, generator=g) > 0.3
+            dm[1] = False                                 # no valid token
+            dm[3, 17] = True
+            q, d, qm, dm = (t.to(DEVICE) for t in (q, d, qm, dm))
+            return (lambda: flash_maxsim.maxsim(q.bfloat16(), d.bfloat16(), qm, dm, masked=masked),
+                    reference.maxsim(q.bfloat16().double(), d.bfloat16().double(), qm, dm, masked=masked))
+        return build
+
+    def ragged(g):
+        q = torch.randn(2, 16, 64, generator=g).to(DEVICE).bfloat16()
+        docs = [torch.randn(n, 64, generator=g).to(DEVICE).bfloat16() for n in (5, 130, 64)]
+        return (lambda: flash_maxsim.maxsim(q, docs), reference.maxsim(q.double(), [t.double() for t in docs]))
+
+    def paired(g):
+        q = torch.randn(2, 16, 64, generator=g).to(DEVICE).bfloat16()
+        cands = torch.randn(2, 3, 150, 64, generator=g).to(DEVICE).bfloat16()
+        return (lambda: flash_maxsim.maxsim(q, cands), reference.maxsim(q.double(), cands.double()))
+
+    def quantized(kind, **extra):
+        def build(g):
+            from flash_maxsim.quantization import queries_as_scored
+            q = torch.randn(3, 16, 64, generator=g)
+            d = torch.randn(6, 128, 64, generator=g)
+            d[2] = -d[2].abs()
+            q[0, 3] = q[0, 3].abs()               # every sum of query 0's token 3 with document 2 < 0 (int8: redone)
+            q = q.to(DEVICE).bfloat16()
+            index = flash_maxsim.quantize(d.to(DEVICE), dtype=kind)
+            return (lambda: flash_maxsim.maxsim(q, index),
+                    reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64)))
+        return build
+
+    one_doc = dict(DOCS=1, PROGRAMS_PER_SM=0)
+    return [
+        ("one document per program", padded("exclude"), one_doc),
+        ("one document per program, masked as zero", padded("zero"), one_doc),
+        ("token split", padded("exclude"), dict(one_doc, DSPLIT=2)),
+        ("several documents' tile loop", padded("zero"), dict(DOCS=2, PROGRAMS_PER_SM=0, FLAT_RUN=False)),
+        ("run of whole tiles", padded("exclude"), dict(DOCS=2, PROGRAMS_PER_SM=0)),
+        ("ragged", ragged, one_doc),
+        ("per-query candidates", paired, one_doc),
+        ("int8 bit-cast run of whole tiles", quantized("int8"),
+         dict(DOCS=3, PROGRAMS_PER_SM=0, ROWS=32, BITCAST_SUMS=True)),
+        ("fp8 run of whole tiles", quantized("fp8"), dict(DOCS=3, PROGRAMS_PER_SM=0, ROWS=32)),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")      # the interpreter's max over the NaN of negative sums
+@pytest.mark.parametrize("name, build, overrides", _row_partial_cases(), ids=[c[0] for c in _row_partial_cases()])
+def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, overrides, monkeypatch, seed):
+    """``ROW_PARTIALS`` (kernels/forward.py, ``_fold_row_partials``): 8 partial maxima per row across a document's
+    tiles, the max across them once per document. Scores equal bit for bit those of one running max per row (the
+    same maxima of the same similarities, only grouped otherwise), NaN where the NaN token's document is scored,
+    in every loop that takes them: one document per program (token-split too), several documents' tile loop,
+    runs of whole tiles (bf16; int8 with bit-cast sums and their exact second pass; fp8), ragged and paired
+    documents; and close to the float64 reference."""
+    if DEVICE == "cpu" and "fp8" in name and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8_e4m3fn in this torch")
+    if DEVICE == "cuda" and "fp8" in name and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 documents need compute capability >= 8.9")
+    scores, want_ref = build(torch.Generator().manual_seed(seed))
+    results = []
+    for partials in (1, 8):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(overrides, ROW_PARTIALS=partials))
+        monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+        with force_backend("triton"):
+            got = scores()
+        assert [p.meta["ROW_PARTIALS"] for p in launch._FORWARD_PLANS.values()] == [partials]
+        results.append(got)
+    one, eight = results
+    assert torch.equal(one.isnan(), eight.isnan()) and torch.equal(one.nan_to_num(), eight.nan_to_num())
+    assert torch.equal(eight.isnan(), want_ref.isnan().to(eight.device))
+    torch.testing.assert_close(eight.double(), want_ref.to(eight.device), rtol=1e-4 if "fp8" in name else 1e-5,
+                               atol=1e-3, equal_nan=True)

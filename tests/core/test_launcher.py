@@ -308,6 +308,40 @@ def test_compute_bound_scoring_takes_256_row_tiles_and_training_keeps_128(monkey
     assert few_long["DSPLIT"] > 1
 
 
+def test_partial_row_maxima_where_measured_faster(monkeypatch):
+    """Partial row maxima across a document's tiles (``ROW_PARTIALS``, kernels/forward.py ``_fold_row_partials``)
+    where session 18 measured them faster: 256-row tiles (compute-bound scoring), 128-row programs of a token
+    split, fp8 products on the compute-bound grid. Not int8's bit-cast compute-bound grid (a spill at its register
+    cap: slower), not 32-row or 128-row bandwidth-bound tiles (mma.sync over several warps needs a layout change
+    through shared memory: 1x1k 32x300 23% slower), not the training forward (arg-max saved), nor the smooth max
+    or runs whose tiles straddle two documents (the plan turns them off there)."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+
+    def partials(Nq, B, Lq, Ld, save_aux=False, products=None):
+        return launch.forward_config(Nq, B, Lq, Ld, 128, False, save_aux, torch.bfloat16, products)["ROW_PARTIALS"]
+    for shape in [(1, 1000, 512, 1024), (1, 1000, 1024, 1024), (1, 10000, 1024, 1024), (64, 1000, 32, 300),
+                  (16, 32, 32, 8192)]:
+        assert partials(*shape) == 8, shape
+    assert partials(1, 10000, 1024, 1024, products="fp8") == 8
+    assert partials(1, 10000, 1024, 1024, products="int8") == 1
+    for shape in [(1, 1000, 32, 300), (1, 10000, 32, 300), (1, 1000, 32, 1024), (1, 10000, 32, 1030),
+                  (1, 1000, 128, 1024), (1, 32, 32, 8192)]:
+        assert partials(*shape) == 1, shape
+        assert partials(*shape, products="fp8") == 1, shape
+    assert partials(64, 1000, 32, 300, save_aux=True) == 1
+
+    def plan(Lq, Ld, smooth_tau=None, save_aux=False):
+        return launch._forward_plan(torch.empty(1, Lq, 128, dtype=torch.bfloat16),
+                                    torch.empty(10000, Ld, 128, dtype=torch.bfloat16), None, None, None, 0, False,
+                                    smooth_tau, save_aux, Ld, None).meta
+    assert plan(1024, 1024)["ROW_PARTIALS"] == 8 and plan(1024, 1024)["FLAT_RUN"]
+    assert plan(1024, 1024, smooth_tau=0.1)["ROW_PARTIALS"] == 1
+    assert plan(1024, 1024, save_aux=True)["ROW_PARTIALS"] == 1
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"ROW_PARTIALS": 8, "PROGRAMS_PER_SM": 8})
+    straddling = plan(32, 300)          # 32-row runs of documents, as the int8 streaming grid's
+    assert straddling["FLAT_RUN"] and straddling["STRADDLE"] and straddling["ROW_PARTIALS"] == 1
+
+
 def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch):
     # run 9: one masked loop is faster when each document token meets at most 32 query tokens (d <= 256);
     # the peeled last tile stays for d = 384, longer queries, several queries, and the training forward

@@ -167,6 +167,21 @@ def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):
     assert _by_case(hopper[1], "bf16 16x32 32x8192 (token split)")["meta"]["ROW_OUT"]
 
 
+def test_partial_row_maxima_fold_a_tile_without_shuffles(hopper):
+    """256-row tiles keep 8 partial maxima per row across a document's tiles (``ROW_PARTIALS``): a tile folds in
+    with no shuffle across threads (the columns each partial covers are those one thread of the wgmma accumulator
+    holds) and fewer maxima, in the same shared memory (no layout change through it); one running max per row
+    shuffles in every tile."""
+    partial = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    single = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) one max per row")
+    assert (partial["meta"]["ROW_PARTIALS"], single["meta"]["ROW_PARTIALS"]) == (8, 1)
+    assert partial["shared_bytes"] == single["shared_bytes"]
+    assert len(partial["loops"]) == len(single["loops"]) == 2          # whole tiles, then the peeled last one
+    for p, s in zip(partial["loops"], single["loops"]):
+        assert p["ops"].get("SHFL.BFLY", 0) == 0 < s["ops"].get("SHFL.BFLY", 0), (p["ops"], s["ops"])
+        assert p["ops"]["FMNMX.NAN"] < s["ops"]["FMNMX.NAN"]
+
+
 def test_padded_features_and_128_rows_stream_in_runs(hopper):
     """d = 96 (features padded to 128) streaming one query: several documents per program (a run whose tiles
     straddle them), 2 warps in at most 128 registers (8 programs per SM); 128 query rows over runs of whole tiles:

@@ -216,20 +216,63 @@ def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, 
 
 
 @triton.jit
+def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr):
+    """The hard max (no arg-max) with ``ROW_PARTIALS`` partial maxima per row in ``m`` ([rows, ROW_PARTIALS]):
+    partial w is the max over the columns j = ROW_PARTIALS * g + w of the tiles folded so far. With 8, those are
+    the columns that one thread of the tensor cores' accumulator layout holds (mma.sync and wgmma alike: two
+    adjacent columns of every 8), so a tile folds in with no shuffle; ``_rows_max`` takes the max across a row's
+    threads once per document instead of once per tile (session 18: offline sm_90, 8 shuffles and 4 maxima fewer
+    per 128 x 128 tile)."""
+    parts = tl.reshape(s, (s.shape[0], BLOCK_N // ROW_PARTIALS, ROW_PARTIALS))
+    if DROP_NAN:
+        m = tl.maximum(m, tl.max(parts, 1))
+    else:
+        m = _max_propagating_nan(m, tl.reduce(parts, 1, _max_propagating_nan))
+    return m
+
+
+@triton.jit
+def _rows_max(m, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr):
+    """Each row's running max from its ``ROW_PARTIALS`` partial maxima (``_fold_row_partials``), or ``m`` itself."""
+    if ROW_PARTIALS > 1:
+        if DROP_NAN:
+            m = tl.max(m, 1)
+        else:
+            m = tl.reduce(m, 1, _max_propagating_nan)
+    return m
+
+
+@triton.jit
+def _running_max_init(BLOCK_M: tl.constexpr, ROW_PARTIALS: tl.constexpr):
+    """The running max before any token: one value per row, or ``ROW_PARTIALS`` partial ones."""
+    if ROW_PARTIALS > 1:
+        m = tl.full((BLOCK_M, ROW_PARTIALS), float("-inf"), dtype=tl.float32)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    return m
+
+
+@triton.jit
 def _fold_tile(
     m, acc, arg, n0, n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
     stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
     PARTIAL: tl.constexpr, HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False,
+    EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False, ROW_PARTIALS: tl.constexpr = 1,
 ):
-    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row."""
+    """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row (``m`` as
+    ``_fold_row_partials`` keeps it when ``ROW_PARTIALS`` > 1)."""
     s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
                               q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
                               HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D,
                               WHOLE_TILE_MASKS)
-    return _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, SAVE_AUX, BLOCK_N)
+    if ROW_PARTIALS > 1:
+        tl.static_assert(not SMOOTH and not SAVE_AUX)
+        m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, False)
+    else:
+        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, SAVE_AUX, BLOCK_N)
+    return m, acc, arg
 
 
 @triton.jit
@@ -249,7 +292,7 @@ def _fold_run_tile(
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
     sc_loaded, dm_loaded, PRELOADED: tl.constexpr, D_DESC, tma_row, TMA: tl.constexpr,
-    miss, bad, BITCAST_SUMS: tl.constexpr,
+    miss, bad, BITCAST_SUMS: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1,
 ):
     """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
     ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
@@ -268,7 +311,14 @@ def _fold_run_tile(
     in_one_doc = True
     if STRADDLE:
         in_one_doc = in_doc >= BLOCK_N
-    if in_one_doc:
+    if ROW_PARTIALS > 1:
+        # partial maxima per row (_fold_row_partials): documents of whole tiles only
+        tl.static_assert(not STRADDLE and not SMOOTH)
+        m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, BITCAST_SUMS)
+        ends = in_doc == BLOCK_N
+        m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+        acc_next = acc
+    elif in_one_doc:
         m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N, BITCAST_SUMS)
         ends = in_doc == BLOCK_N
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
@@ -284,9 +334,10 @@ def _fold_run_tile(
                                                    SMOOTH, False, BLOCK_N, BITCAST_SUMS)
         ends = True
     if ends:
+        m_rows = _rows_max(m, ROW_PARTIALS, BITCAST_SUMS)
         if BITCAST_SUMS:
-            miss = tl.where(m == float("-inf"), 1, miss)
-        _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+            miss = tl.where(m_rows == float("-inf"), 1, miss)
+        _, row_val, _ = _row_values(m_rows, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc, QPB, TOKB)
         m = m_next
         acc = acc_next
@@ -329,7 +380,7 @@ def _score_run(
     SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr,
     STRADDLE: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1,
 ):
     """Scores the ``n_here`` documents of program group ``t`` (padded, end to end in memory, each at least one tile
     long) as one run of tokens, in tiles that may straddle two documents (``FLAT_RUN``). Tile i starts at token
@@ -339,7 +390,7 @@ def _score_run(
     pass, so that it takes no shared memory of its own beside the first pass's buffers)."""
     BLOCK_M: tl.constexpr = QPB * TOKB
     cols64 = tl.arange(0, BLOCK_N).to(tl.int64)    # token offsets times strides may pass 2^31
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    m = _running_max_init(BLOCK_M, ROW_PARTIALS)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
     arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
     bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
@@ -377,7 +428,7 @@ def _score_run(
             stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
             False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
             PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS,
-            D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS, miss, bad, BITCAST_SUMS)
+            D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS, miss, bad, BITCAST_SUMS, ROW_PARTIALS)
     if STRADDLE and n_whole * BLOCK_N < run_len:
         n0 = (zero64 + n_whole) * BLOCK_N
         m, acc, arg, tj, doc_end, miss, bad = _fold_run_tile(
@@ -410,6 +461,7 @@ def maxsim_fwd_kernel(
     MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
     WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
     TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr = False, BITCAST_REDO: tl.constexpr = True,
+    ROW_PARTIALS: tl.constexpr = 1,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -511,7 +563,7 @@ def maxsim_fwd_kernel(
                 split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d,
                 inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
                 HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, BITCAST_SUMS, None)
+                BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, BITCAST_SUMS, None, ROW_PARTIALS)
             if BITCAST_SUMS and BITCAST_REDO:
                 # what the bit-cast sums could not hold (in practice: a document with no valid token, whose rows
                 # stay at -inf): the program's documents again, with converted sums, overwriting their scores
@@ -525,6 +577,7 @@ def maxsim_fwd_kernel(
                         BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, False, False, False, 1)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
+            m = _running_max_init(BLOCK_M, ROW_PARTIALS)
             for i in range(0, n_here * tiles):
                 j = i // tiles
                 n0 = (i - j * tiles) * BLOCK_N
@@ -533,13 +586,14 @@ def maxsim_fwd_kernel(
                     m, acc, arg, n0, n0 + cols64, Ld, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0,
                     DMASK, SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d,
                     inv_tau_log2e, True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D,
-                    D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D)
+                    D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
                 if n0 + BLOCK_N >= Ld:
                     # the document's last tile: its score, then a fresh state for the next one
-                    _, row_val, _ = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+                    _, row_val, _ = _row_values(_rows_max(m, ROW_PARTIALS, False), acc, q_scale, tau, QUANTIZE_Q,
+                                                SMOOTH)
                     _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc,
                                         QPB, TOKB)
-                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                    m = _running_max_init(BLOCK_M, ROW_PARTIALS)
                     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     else:
         n_lo = ds * tokens_per_dsplit
@@ -549,18 +603,20 @@ def maxsim_fwd_kernel(
             n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
         else:
             n_full = n_lo
+        m = _running_max_init(BLOCK_M, ROW_PARTIALS)
         for n0 in range(n_lo, n_full, BLOCK_N):
             m, acc, arg = _fold_tile(
                 m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS)
+                PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS)
         for n0 in range(n_full, n_hi, BLOCK_N):
             m, acc, arg = _fold_tile(
                 m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
                 m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                 True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N, EVEN_D)
+                PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
+        m = _rows_max(m, ROW_PARTIALS, False)
 
         m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         if ROW_OUT:

@@ -110,7 +110,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
                DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
-               QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False)
+               QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False, ROW_PARTIALS=1)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -134,6 +134,11 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 3.04: no per-thread copy addresses, ~45 of ~600 instructions per tile)
                 cfg.update(BLOCK_N=128, PROGRAMS_PER_SM=24, MAXNREG=168, PREFETCH_TOKENS=True, QUANTIZE_FIRST=True,
                            TMA_DOCS=True)
+                if products == "fp8":
+                    # partial maxima per row across a document's tiles (kernels/forward.py, _fold_row_partials:
+                    # session 18, device call 2, ab_forward: 1x10k 1024x1024 2.652 vs 2.743 ms). Not int8's bit-cast
+                    # sums at this grid's 168-register cap: a spill in the loop, 2.640 vs 2.527 (call 1)
+                    cfg["ROW_PARTIALS"] = 8
                 if max_len % 128 == 0 and products == "int8":
                     # documents of whole tiles: the int32 sums read as fp32 bits, not converted, on 2 stages
                     # (session 16, device call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms; 3 stages 2.530,
@@ -145,7 +150,11 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
                 # 1024x1024 4.65 vs 4.55; 64x1k 32x300 0.343 vs 0.347). Runs of several documents (below) load
                 # whole tiles unmasked, as they were measured (run 22, ab3 / ab4)
-                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True)
+                # Partial maxima per row across a document's tiles (_fold_row_partials: no shuffle per tile in the
+                # wgmma accumulator's layout; session 18, device call 2, ab_forward against without: 1x1k 512x1024
+                # 0.211 vs 0.223 ms, 1024x1024 0.417 vs 0.433, 1x10k 1024x1024 4.09 vs 4.22, 64x1k 32x300 0.346 vs
+                # 0.349)
+                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True, ROW_PARTIALS=8)
                 tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
@@ -154,6 +163,11 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # 2 slices 0.066 ms vs 3 (rounded up) 0.072)
         cfg["DSPLIT"] = max(1, min(max(2, 2 * _sm_count() // programs), max_len // 512))
         cfg["num_warps"] = 8
+        if tokb * qpb >= 128:
+            # partial maxima per row (as above; session 18, call 2: 16x32 32x8192 0.0635 vs 0.0659 ms). Not for
+            # 32-row tiles, whose mma.sync layout over 4 or 8 warps needs a shared-memory layout change for them
+            # (offline sm_90: 1x1k 32x300 on 4 warps 263 -> 294 instructions per tile; 0.0397 vs 0.0323 ms)
+            cfg["ROW_PARTIALS"] = 8
     if not save_aux and (Lq if paired else Nq * Lq) <= 32 and d <= 256:
         # bandwidth-bound (each document token meets at most 32 query tokens): one loop with a masked last
         # tile streams better than a peeled one (session 3, interleaved with both peers: 1x10k 32x300 0.1845
@@ -357,6 +371,10 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     )
     # tests only: False runs the bit-cast pass alone, without the exact second pass where it falls short
     plan.meta["BITCAST_REDO"] = bool(cfg.get("BITCAST_REDO", True))
+    # partial maxima per row (kernels/forward.py, _fold_row_partials): the hard max without arg-max, except in runs
+    # of documents whose tiles straddle two documents
+    plan.meta["ROW_PARTIALS"] = (int(cfg.get("ROW_PARTIALS", 1)) if not smooth and not save_aux
+                                 and not plan.meta["STRADDLE"] else 1)
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
     plan.meta_key = tuple(plan.meta.items())
