@@ -110,7 +110,14 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             # of document): 2 or 4 documents per program (the loop over several documents' tiles, each with its
             # partial last tile), with or without the partial row maxima; 68: the defaults without them
             {"DOCS": 2}, {"DOCS": 4}, {"DOCS": 2, "ROW_PARTIALS": 1}, {"DOCS": 4, "ROW_PARTIALS": 1},
-            {"ROW_PARTIALS": 1}]
+            {"ROW_PARTIALS": 1},
+            # 69-72: the 8-bit streaming grid on one warp per program (offline sm_90, 32x300: fp8 1404 warp
+            # instructions per 64 tokens against 1604 on 2 warps, int8 854 against 1048; 246 / 234 registers
+            # uncapped: 1181 / 785): 8 programs per SM at 128 registers or uncapped; 12 or 16 on 2 stages (the
+            # 3-stage buffers hold 9 one-warp programs per SM)
+            {"num_warps": 1, "PROGRAMS_PER_SM": 8}, {"num_warps": 1, "PROGRAMS_PER_SM": 8, "MAXNREG": 0},
+            {"num_warps": 1, "PROGRAMS_PER_SM": 12, "num_stages": 2},
+            {"num_warps": 1, "PROGRAMS_PER_SM": 16, "num_stages": 2}]
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)
 

@@ -263,6 +263,96 @@ def score_corpus(scorer: Scorer, queries: torch.Tensor, documents: flash_maxsim.
     return scores.double().cpu(), time.perf_counter() - start
 
 
+# ---------------------------------------------------------------------------------------- scoring on a GPU
+# The GPU machine takes at most 64 MiB of files per call and the cache is ~174 MiB: --export-packs splits the cached
+# embeddings into packs of whole documents that each travel in one call, --score-pack scores one pack there with
+# every scorer, and --device-scores brings those scores back into the comparison made here (the float64 reference
+# computed on this machine from the same stored values).
+
+def export_packs(args) -> int:
+    """Packs of at most ``--pack-mib`` of documents (float16 values, lengths, the dataset's queries), one folder
+    each under ``--export-packs``: ``pack-NNN/<dataset>.pt`` holding documents ``first .. first + len - 1``."""
+    budget = int(args.pack_mib * 2**20)
+    root = Path(args.export_packs)
+    pack, used = 0, 0
+    for folder in map(Path, args.data):
+        digest = file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
+        cached = find_cache(Path(args.cache), folder.name, digest)
+        if cached is None:
+            raise SystemExit(f"no embedding cache for {folder} under {args.cache}: run this script without "
+                             "--export-packs first")
+        _, queries, values, lengths = load_cache(cached)
+        offsets = [0] + lengths.cumsum(0).tolist()
+        row_bytes = values.shape[1] * values.element_size()
+        first = 0
+        while first < len(lengths):
+            room = budget - used - queries.numel() * queries.element_size()
+            last = first
+            while last < len(lengths) and (offsets[last + 1] - offsets[first]) * row_bytes <= room:
+                last += 1
+            if last == first:             # this pack is full: the next one
+                if used == 0:
+                    raise SystemExit(f"--pack-mib {args.pack_mib}: one document does not fit")
+                pack, used = pack + 1, 0
+                continue
+            out = root / f"pack-{pack:03d}"
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({"dataset": folder.name, "first": first, "queries": queries,
+                        "values": values[offsets[first]:offsets[last]].clone(), "lengths": lengths[first:last].clone()},
+                       out / f"{folder.name}.pt")
+            used += (offsets[last] - offsets[first]) * row_bytes + queries.numel() * queries.element_size()
+            print(f"{out}: {folder.name} documents {first}..{last - 1}", file=sys.stderr)
+            first = last
+    return 0
+
+
+def score_pack(args) -> int:
+    """Every scorer on every part of one pack (``--score-pack``), scores written to ``--out`` (torch.save)."""
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.score_dtype]
+    parts = []
+    for path in sorted(Path(args.score_pack).glob("*.pt")):
+        part = torch.load(path)
+        lengths = part["lengths"]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        documents = flash_maxsim.PackedDocuments(part["values"].to(device, dtype), offsets.to(device),
+                                                 int(lengths.max()))
+        queries = part["queries"].to(device, dtype)
+        scores = {name: score_corpus(scorer, queries, documents, args.device)[0]
+                  for name, scorer in scorers(args.quantized).items()}
+        parts.append({"dataset": part["dataset"], "first": part["first"], "documents": len(lengths),
+                      "scores": scores})
+        print(f"{path}: {part['dataset']} documents {part['first']}..{part['first'] + len(lengths) - 1} scored",
+              file=sys.stderr)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    torch.save({"device_name": name, "torch": str(torch.__version__), "flash_maxsim": flash_maxsim.__version__,
+                "score_dtype": args.score_dtype, "parts": parts}, args.out)
+    return 0
+
+
+def device_scores(paths: Sequence[str], dataset: str, n_documents: int) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The scores of every scorer on ``dataset`` from ``--score-pack`` files, as ``[Nq, B]`` tensors (each
+    document scored once, none missing), and the device that scored them."""
+    pieces, devices = [], set()
+    for path in paths:
+        saved = torch.load(path)
+        devices.add(f"{saved['device_name']}, torch {saved['torch']}, flash_maxsim {saved['flash_maxsim']}")
+        pieces += [p for p in saved["parts"] if p["dataset"] == dataset]
+    pieces.sort(key=lambda p: p["first"])
+    covered = 0
+    for p in pieces:
+        if p["first"] != covered:
+            raise SystemExit(f"{dataset}: the device scores cover documents up to {covered - 1}, the next piece "
+                             f"starts at {p['first']}")
+        covered += p["documents"]
+    if covered != n_documents:
+        raise SystemExit(f"{dataset}: the device scores cover {covered} of {n_documents} documents")
+    names = pieces[0]["scores"].keys()
+    return ({name: torch.cat([p["scores"][name] for p in pieces], dim=1) for name in names},
+            ", ".join(sorted(devices)))
+
+
 # -------------------------------------------------------------------------------------------------- metrics
 
 def ranking(scores_row: torch.Tensor, k: int) -> List[int]:
@@ -413,9 +503,14 @@ def run_dataset(folder: Path, args) -> dict:
     corpus_ids = set(doc_ids)
     missing = sum(1 for q in qrels for d in qrels[q] if d not in corpus_ids)
     result["judged_documents_missing_from_corpus"] = missing
-    for name, scorer in scorers(args.quantized).items():
-        scores, seconds = score_corpus(scorer, queries, documents, args.device)
-        result["scorers"][name] = dict(compare(scores, exact, doc_ids, query_ids, qrels), seconds=seconds)
+    if args.device_scores:
+        scored, result["scored_on"] = device_scores(args.device_scores, dataset, len(doc_ids))
+        for name, scores in scored.items():
+            result["scorers"][name] = compare(scores, exact, doc_ids, query_ids, qrels)
+    else:
+        for name, scorer in scorers(args.quantized).items():
+            scores, seconds = score_corpus(scorer, queries, documents, args.device)
+            result["scorers"][name] = dict(compare(scores, exact, doc_ids, query_ids, qrels), seconds=seconds)
     if args.skiplist_demo:
         result["skiplist_lengths_emulation"] = skiplist_demo(args.model or default_model_path(), args.seed,
                                                               query_texts, doc_texts, args.device)
@@ -452,7 +547,7 @@ def markdown(results: List[dict], args) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", action="append", required=True, help="a BEIR folder (repeatable)")
+    parser.add_argument("--data", action="append", default=[], help="a BEIR folder (repeatable)")
     parser.add_argument("--cache", default=".cache/fidelity", help="embedding cache folder")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -466,11 +561,33 @@ def main(argv=None) -> int:
     parser.add_argument("--reencode", action="store_true", help="ignore the cache")
     parser.add_argument("--skiplist-demo", action="store_true",
                         help="also measure the lengths-instead-of-masks difference (needs the model)")
+    parser.add_argument("--export-packs", metavar="DIR",
+                        help="split the cached embeddings into packs for a GPU machine, then exit")
+    parser.add_argument("--pack-mib", type=float, default=40.0, help="size of one pack (--export-packs)")
+    parser.add_argument("--score-pack", metavar="DIR", help="on the GPU: score one pack with every scorer, write "
+                        "the scores to --out, then exit")
+    parser.add_argument("--device-scores", nargs="+", metavar="FILE",
+                        help="take the scorers' scores from these --score-pack files (the reference is computed "
+                        "here)")
     args = parser.parse_args(argv)
+    if args.export_packs:
+        if not args.data:
+            parser.error("--export-packs needs --data")
+        return export_packs(args)
+    if args.score_pack:
+        if not args.out:
+            parser.error("--score-pack needs --out")
+        return score_pack(args)
+    if not args.data:
+        parser.error("--data is required (a BEIR folder, repeatable)")
 
     results = [run_dataset(Path(folder), args) for folder in args.data]
+    if args.device_scores:
+        # the scorers ran on the machine named in the score files
+        args.device = "cuda (--score-pack: " + results[0]["scored_on"] + ")"
     report = {"flash_maxsim": flash_maxsim.__version__, "torch": torch.__version__, "device": args.device,
-              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+              "device_name": (results[0]["scored_on"] if args.device_scores else
+                              torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()),
               "score_dtype": args.score_dtype,
               "targets": {"exact": {"abs_delta_ndcg@10": 1e-4, "top10": "identical up to exact ties"},
                           "compressed index": {"abs_delta_ndcg@10": 1e-3, "top10_overlap_mean": 0.98}},

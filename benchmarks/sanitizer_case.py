@@ -190,6 +190,14 @@ def main():
             check("fp8 grouped, whole tiles", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
                                    None, whole_mask), 1e-3)
+            # the streaming grid's one-warp programs with uncapped registers (the fp8 default there): runs whose
+            # tiles straddle 300-token documents
+            fp8_runs = fm.quantize(index.dequantize(bf), dtype="fp8")
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, num_warps=1, MAXNREG=0):
+                got = fm.maxsim(q2[:1], fp8_runs)
+            check("fp8 grouped, one warp per program", got,
+                  reference.maxsim(queries_as_scored(q2[:1], fp8_runs).double(), fp8_runs.dequantize(torch.float64)),
+                  1e-3)
             with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
                                    MAXNREG=168, TMA_DOCS=True, ROW_PARTIALS=8):
                 got = fm.maxsim(long_q, fp8_whole, long_qm)

@@ -472,3 +472,26 @@ def test_bitcast_sums_on_the_compute_bound_grid(length, masked, monkeypatch, see
     assert torch.equal(default, want)
     ref = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), None, dm)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
+@pytest.mark.parametrize("length", [300, 1024], ids=["straddling", "whole-tiles"])
+def test_fp8_streaming_grid_at_its_real_size(length, monkeypatch, seed):
+    """One query against enough fp8 documents to pick the streaming grid of one-warp programs with uncapped
+    registers (launch.forward_config: >= 2^19 streamed tokens), masked, with a document of no valid token: the
+    scores are the float64 MaxSim of the dequantised operands (within the fp8 accumulation's bound), as with the
+    grid of two-warp programs at 128 registers it replaced."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_docs = 2048
+    q = torch.randn(1, 32, 128, generator=g, device="cuda").bfloat16()
+    docs = torch.randn(n_docs, length, 128, generator=g, device="cuda")
+    dm = torch.rand(n_docs, length, generator=g, device="cuda") > 0.2
+    dm[5] = False
+    index = fm.quantize(docs.bfloat16(), dm, dtype="fp8")
+    got, plan = _scores_with(monkeypatch, q, index)
+    assert plan.meta["num_warps"] == 1 and "maxnreg" not in plan.meta and plan.meta["MULTI_DOC"]
+    _assert_scores_match(got, q, index, None, dm)
+    two_warps, plan = _scores_with(monkeypatch, q, index, num_warps=2, MAXNREG=128)
+    assert plan.meta["num_warps"] == 2 and plan.meta["maxnreg"] == 128
+    _assert_scores_match(two_warps, q, index, None, dm)

@@ -204,6 +204,14 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # Not TMA copies (session 12: 0.1112 vs 0.1121; session 14, with the descriptor encoded once: 0.1104 vs
             # 0.1093) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
             cfg["MAXNREG"] = 128
+            if products == "fp8" and cfg["num_warps"] == 2:
+                # fp8 x fp8 products on 32-row tiles are mma.sync f16 after converting each document tile in
+                # registers: one warp per program, registers uncapped (246), issues fewer instructions per token
+                # (offline sm_90, 32x300: 1181 warp instructions per 64 tokens against 1604 on 2 warps at 128). Session
+                # 18, device call 10, ab_forward: 1x10k 32x300 0.1273 vs 0.1343 ms, 32x1030 0.3933 vs 0.3986. Not
+                # int8 (0.1136 vs 0.1108), nor one warp at 128 registers (0.1589) or 12-16 programs per SM on 2
+                # stages (0.18-0.25)
+                cfg.update(num_warps=1, MAXNREG=0)
     if (dtype in (torch.bfloat16, torch.float16) and not eight_bit and not save_aux and cfg["DSPLIT"] == 1
             and (max_len % cfg["BLOCK_N"] == 0 or cfg["D_CHUNKS"] > 1)):
         # 16-bit documents of whole tiles (or chunked features): runs of several documents, 2 programs per SM
