@@ -218,11 +218,12 @@ def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, 
 @triton.jit
 def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr):
     """The hard max (no arg-max) with ``ROW_PARTIALS`` partial maxima per row in ``m`` ([rows, ROW_PARTIALS]):
-    partial w is the max over the columns j = ROW_PARTIALS * g + w of the tiles folded so far. With 8, those are
-    the columns that one thread of the tensor cores' accumulator layout holds (mma.sync and wgmma alike: two
-    adjacent columns of every 8), so a tile folds in with no shuffle; ``_rows_max`` takes the max across a row's
-    threads once per document instead of once per tile (session 18: offline sm_90, 8 shuffles and 4 maxima fewer
-    per 128 x 128 tile)."""
+    partial w is the max over the columns j = ROW_PARTIALS * g + w of the tiles folded so far. With 8, a thread of
+    the tensor cores' accumulator layout holds two adjacent columns of every 8, so where a warp holds whole rows of
+    the tile (wgmma) a tile folds in with no shuffle, and ``_rows_max`` takes the max across a row's threads once per
+    document instead of once per tile (session 18: offline sm_90, 8 shuffles and 4 maxima fewer per 128 x 128
+    tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
+    through shared memory: slower, not used there."""
     parts = tl.reshape(s, (s.shape[0], BLOCK_N // ROW_PARTIALS, ROW_PARTIALS))
     if DROP_NAN:
         m = tl.maximum(m, tl.max(parts, 1))

@@ -165,8 +165,9 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         cfg["num_warps"] = 8
         if tokb * qpb >= 128:
             # partial maxima per row (as above; session 18, call 2: 16x32 32x8192 0.0635 vs 0.0659 ms). Not for
-            # 32-row tiles, whose mma.sync layout over 4 or 8 warps needs a shared-memory layout change for them
-            # (offline sm_90: 1x1k 32x300 on 4 warps 263 -> 294 instructions per tile; 0.0397 vs 0.0323 ms)
+            # 32-row tiles, whose mma.sync layout splits the columns across warps, so that the partials' max crosses
+            # warps through shared memory (offline sm_90: 1x1k 32x300 on 4 warps 263 -> 294 instructions per tile;
+            # 0.0397 vs 0.0323 ms)
             cfg["ROW_PARTIALS"] = 8
     if not save_aux and (Lq if paired else Nq * Lq) <= 32 and d <= 256:
         # bandwidth-bound (each document token meets at most 32 query tokens): one loop with a masked last
