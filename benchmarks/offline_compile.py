@@ -126,6 +126,9 @@ CASES = [
                                                                   None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
+    # 4 partial row maxima over column pairs (an option, session 18): no more registers than one max per row
+    Case("int8 1x4k 1024x1024 partial maxima over pairs", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
+                                                                   None, None), forward_overrides={"ROW_PARTIALS": 4}),
     # the same grid with the sums converted (the default before session 16, here on the same 2 stages), and the
     # bit-cast sums where they are an option
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),

@@ -150,7 +150,8 @@ def _row_partial_cases():
 @pytest.mark.parametrize("name, build, overrides", _row_partial_cases(), ids=[c[0] for c in _row_partial_cases()])
 def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, overrides, monkeypatch, seed):
     """``ROW_PARTIALS`` (kernels/forward.py, ``_fold_row_partials``): 8 partial maxima per row across a document's
-    tiles, the max across them once per document. Scores equal bit for bit those of one running max per row (the
+    tiles (or 4, over column pairs), the max across them once per document. Scores equal bit for bit those of one
+    running max per row (the
     same maxima of the same similarities, only grouped otherwise), NaN where the NaN token's document is scored,
     in every loop that takes them: one document per program (token-split too), several documents' tile loop,
     runs of whole tiles (bf16; int8 with bit-cast sums and their exact second pass; fp8), ragged and paired
@@ -161,15 +162,17 @@ def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, 
         pytest.skip("fp8 documents need compute capability >= 8.9")
     scores, want_ref = build(torch.Generator().manual_seed(seed))
     results = []
-    for partials in (1, 8):
+    for partials in (1, 4, 8):
         monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(overrides, ROW_PARTIALS=partials))
         monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
         with force_backend("triton"):
             got = scores()
         assert [p.meta["ROW_PARTIALS"] for p in launch._FORWARD_PLANS.values()] == [partials]
         results.append(got)
-    one, eight = results
-    assert torch.equal(one.isnan(), eight.isnan()) and torch.equal(one.nan_to_num(), eight.nan_to_num())
+    one = results[0]
+    for other in results[1:]:
+        assert torch.equal(one.isnan(), other.isnan()) and torch.equal(one.nan_to_num(), other.nan_to_num())
+    eight = results[-1]
     assert torch.equal(eight.isnan(), want_ref.isnan().to(eight.device))
     torch.testing.assert_close(eight.double(), want_ref.to(eight.device), rtol=1e-4 if "fp8" in name else 1e-5,
                                atol=1e-3, equal_nan=True)

@@ -182,6 +182,18 @@ def test_partial_row_maxima_fold_a_tile_without_shuffles(hopper):
         assert p["ops"]["FMNMX.NAN"] < s["ops"]["FMNMX.NAN"]
 
 
+def test_partial_maxima_over_pairs_fit_the_int8_grids_registers(hopper):
+    """4 partial row maxima over column pairs (one per thread of a quad) on the int8 compute-bound grid: its
+    168-register cap holds them with nothing stored to the stack in the bit-cast tile loop, as one max per row."""
+    pairs = _by_case(hopper[1], "int8 1x4k 1024x1024 partial maxima over pairs")
+    default = _by_case(hopper[1], "int8 1x4k 1024x1024 (runs of documents by TMA)")
+    assert (pairs["meta"]["ROW_PARTIALS"], default["meta"]["ROW_PARTIALS"]) == (4, 1)
+    assert pairs["meta"]["BITCAST_SUMS"] and pairs["registers"] <= 168
+    for row in (pairs, default):
+        loops = [loop for loop in row["loops"] if "IGMMA.64x128x32.S8.S8" in loop["ops"]]
+        assert loops and all(not loop["ops"].get("STL") and not loop["ops"].get("LDL.LU") for loop in loops)
+
+
 def test_padded_features_and_128_rows_stream_in_runs(hopper):
     """d = 96 (features padded to 128) streaming one query: several documents per program (a run whose tiles
     straddle them), 2 warps in at most 128 registers (8 programs per SM); 128 query rows over runs of whole tiles:

@@ -223,12 +223,22 @@ def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, 
     the tile (wgmma) a tile folds in with no shuffle, and ``_rows_max`` takes the max across a row's threads once per
     document instead of once per tile (session 18: offline sm_90, 8 shuffles and 4 maxima fewer per 128 x 128
     tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
-    through shared memory: slower, not used there."""
-    parts = tl.reshape(s, (s.shape[0], BLOCK_N // ROW_PARTIALS, ROW_PARTIALS))
-    if DROP_NAN:
-        m = tl.maximum(m, tl.max(parts, 1))
+    through shared memory: slower, not used there. With 4, partial w is over the column pairs 8g + 2w + {0, 1}: one
+    partial per thread of a quad, so no more registers than one max per row (the 8 partials spill at the int8
+    compute-bound grid's register cap); an option, not measured yet."""
+    if ROW_PARTIALS == 4:
+        pairs = tl.reshape(s, (s.shape[0], BLOCK_N // 8, 4, 2))
+        if DROP_NAN:
+            m = tl.maximum(m, tl.max(tl.max(pairs, 3), 1))
+        else:
+            m = _max_propagating_nan(m, tl.reduce(tl.reduce(pairs, 3, _max_propagating_nan), 1,
+                                                  _max_propagating_nan))
     else:
-        m = _max_propagating_nan(m, tl.reduce(parts, 1, _max_propagating_nan))
+        parts = tl.reshape(s, (s.shape[0], BLOCK_N // ROW_PARTIALS, ROW_PARTIALS))
+        if DROP_NAN:
+            m = tl.maximum(m, tl.max(parts, 1))
+        else:
+            m = _max_propagating_nan(m, tl.reduce(parts, 1, _max_propagating_nan))
     return m
 
 
