@@ -250,6 +250,17 @@ def scorers(quantized: Sequence[str] = ()) -> Dict[str, Scorer]:
     return out
 
 
+def scoring_inputs(queries: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, args):
+    """The cached queries and packed document tokens as the scorers read them: on ``--device``, in
+    ``--score-dtype``."""
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.score_dtype]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    documents = flash_maxsim.PackedDocuments(values.to(device, dtype), offsets.to(device), int(lengths.max()))
+    return queries.to(device, dtype), documents
+
+
 def score_corpus(scorer: Scorer, queries: torch.Tensor, documents: flash_maxsim.PackedDocuments,
                  device: str) -> Tuple[torch.Tensor, float]:
     """Scores ``[Nq, B]`` (on the CPU, float64) and the wall time of the scorer."""
@@ -308,24 +319,18 @@ def export_packs(args) -> int:
 
 def score_pack(args) -> int:
     """Every scorer on every part of one pack (``--score-pack``), scores written to ``--out`` (torch.save)."""
-    device = torch.device(args.device)
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.score_dtype]
     parts = []
     for path in sorted(Path(args.score_pack).glob("*.pt")):
         part = torch.load(path)
         lengths = part["lengths"]
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = lengths.cumsum(0)
-        documents = flash_maxsim.PackedDocuments(part["values"].to(device, dtype), offsets.to(device),
-                                                 int(lengths.max()))
-        queries = part["queries"].to(device, dtype)
+        queries, documents = scoring_inputs(part["queries"], part["values"], lengths, args)
         scores = {name: score_corpus(scorer, queries, documents, args.device)[0]
                   for name, scorer in scorers(args.quantized).items()}
         parts.append({"dataset": part["dataset"], "first": part["first"], "documents": len(lengths),
                       "scores": scores})
         print(f"{path}: {part['dataset']} documents {part['first']}..{part['first'] + len(lengths) - 1} scored",
               file=sys.stderr)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else platform.processor()
     torch.save({"device_name": name, "torch": str(torch.__version__), "flash_maxsim": flash_maxsim.__version__,
                 "score_dtype": args.score_dtype, "parts": parts}, args.out)
     return 0
@@ -487,12 +492,7 @@ def run_dataset(folder: Path, args) -> dict:
     if manifest["documents"] != len(doc_ids) or manifest["queries"] != len(query_ids):
         raise ValueError(f"{cached}: cache holds {manifest['documents']} documents / {manifest['queries']} "
                          f"queries; the data has {len(doc_ids)} / {len(query_ids)} (pass --reencode)")
-    device = torch.device(args.device)
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.score_dtype]
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    documents = flash_maxsim.PackedDocuments(values.to(device, dtype), offsets.to(device), int(lengths.max()))
-    queries = queries.to(device, dtype)
+    queries, documents = scoring_inputs(queries, values, lengths, args)
 
     exact, reference_seconds = score_corpus(reference_scorer, queries, documents, args.device)
     result = {"dataset": dataset, "folder": str(folder), "documents": len(doc_ids), "queries": len(query_ids),

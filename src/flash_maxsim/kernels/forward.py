@@ -550,7 +550,7 @@ def maxsim_fwd_kernel(
             q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
         q_scale = tl.where(row_ok, q_scale, 1.0)
 
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    m = _running_max_init(BLOCK_M, ROW_PARTIALS)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
     arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)    # hard max: first arg-max so far
 
@@ -588,7 +588,6 @@ def maxsim_fwd_kernel(
                         BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, False, False, False, 1)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
-            m = _running_max_init(BLOCK_M, ROW_PARTIALS)
             for i in range(0, n_here * tiles):
                 j = i // tiles
                 n0 = (i - j * tiles) * BLOCK_N
@@ -614,7 +613,6 @@ def maxsim_fwd_kernel(
             n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
         else:
             n_full = n_lo
-        m = _running_max_init(BLOCK_M, ROW_PARTIALS)
         for n0 in range(n_lo, n_full, BLOCK_N):
             m, acc, arg = _fold_tile(
                 m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,

@@ -382,7 +382,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     plan.meta["BITCAST_REDO"] = bool(cfg.get("BITCAST_REDO", True))
     # partial maxima per row (kernels/forward.py, _fold_row_partials): the hard max without arg-max, except in runs
     # of documents whose tiles straddle two documents
-    plan.meta["ROW_PARTIALS"] = (int(cfg.get("ROW_PARTIALS", 1)) if not smooth and not save_aux
+    plan.meta["ROW_PARTIALS"] = (int(cfg["ROW_PARTIALS"]) if not smooth and not save_aux
                                  and not plan.meta["STRADDLE"] else 1)
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
