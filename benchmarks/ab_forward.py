@@ -121,7 +121,22 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             # 73 (session 18, not yet timed): 4 partial row maxima over column pairs, one per thread of a quad: no
             # more registers than one max per row (offline sm_90, int8 1024x1024: 168 registers, no spill, the tile
             # loop's 8 shuffles and 8 maxima moved to the document's end; the 8 partials spill there)
-            {"ROW_PARTIALS": 4}]
+            {"ROW_PARTIALS": 4},
+            # 74-75 (session 19, not yet timed): the peeled tail in 16- or 32-token tiles (TAIL_N), for 64x1k 32x300
+            # (the last 44 tokens of each document: 48 columns of products instead of 64). Offline sm_90: 3 x 138
+            # instructions against 1 x 333 for the tail (32: 2 x 195). Predicted slower (docs/perf-notes.md,
+            # session 19): a wgmma m64n16k16 reads its 2 KB query slice from shared memory for 1/4 of the products
+            {"TAIL_N": 16}, {"TAIL_N": 32},
+            # 76-78 (session 19, not yet timed): 64x1k 32x300 with several documents per program, a loop per document
+            # with its last tile peeled (PEEL_EACH_DOC; session 18's DOCS 2 / 4 tested every tile per element:
+            # 1.06-1.32 of the time), the query tile loaded once per program: 4 documents at 128 registers (2 programs
+            # per SM: offline sm_90 loops 332 / 210 instructions against 333 / 197, 232 B of stack outside them),
+            # one persistent wave of 2 per SM (31 documents each), 4 documents uncapped (216 registers: 1 per SM)
+            {"DOCS": 4, "PEEL_EACH_DOC": True, "MAXNREG": 128},
+            {"PROGRAMS_PER_SM": 2, "PEEL_EACH_DOC": True, "MAXNREG": 128},
+            {"DOCS": 4, "PEEL_EACH_DOC": True},
+            # 79: the persistent wave with the 16-token tail (as 74 goes)
+            {"PROGRAMS_PER_SM": 2, "PEEL_EACH_DOC": True, "MAXNREG": 128, "TAIL_N": 16}]
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)
 

@@ -98,6 +98,19 @@ CASES = [
     # the same with one running max per row (no partial row maxima: the default before session 18)
     Case("bf16 64x1k 32x300 (256 rows) one max per row", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None,
                                                                   None), forward_overrides={"ROW_PARTIALS": 1}),
+    # the peeled tail in 16- or 32-token tiles (TAIL_N; session 19, untimed): 48 columns for the last 44 tokens
+    Case("bf16 64x1k 32x300 (256 rows) 16-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
+         forward_overrides={"TAIL_N": 16}),
+    Case("bf16 64x1k 32x300 (256 rows) 32-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
+         forward_overrides={"TAIL_N": 32}),
+    # several documents per program, a loop per document with its last tile peeled (PEEL_EACH_DOC; session 19,
+    # untimed): the query tile loaded once per program
+    Case("bf16 64x1k 32x300 (256 rows) 4 documents, each peeled",
+         lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
+         forward_overrides={"DOCS": 4, "PEEL_EACH_DOC": True}),
+    Case("bf16 64x1k 32x300 (256 rows) 4 documents, each peeled, 128 registers",
+         lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
+         forward_overrides={"DOCS": 4, "PEEL_EACH_DOC": True, "MAXNREG": 128}),
     Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
     Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
     Case("bf16 smooth 4x8 32x4096 masks (token split)", lambda: (_q(4, 32, 128), _docs(8, 4096, 128), _mask(4, 32),
@@ -327,7 +340,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
 
 _SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",
                "SAVE_AUX", "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL",
-               "MULTI_DOC", "ROW_PARTIALS")
+               "MULTI_DOC", "ROW_PARTIALS", "TAIL_N", "PEEL_EACH_DOC")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

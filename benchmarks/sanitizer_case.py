@@ -103,6 +103,20 @@ def main():
               reference.maxsim(q256, wide[:, :, :128]), 1e-5)
         check("partial row maxima, token split", got_split, reference.maxsim(q256, few[0]), 1e-5)
         check("partial row maxima, runs of whole tiles", got_runs, reference.maxsim(q256, runs, None, runs_mask), 1e-5)
+        # session 19's options (off by default): the peeled tail in 16-token tiles (one document per program,
+        # padded and masked, and packed), several documents per program each with its own peeled tail
+        narrow_docs = wide[:, :, :128].contiguous()
+        narrow_mask = torch.rand(11, 180, device=dev) > 0.3
+        with forward_overrides(TAIL_N=16, ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
+            got_tail = fm.maxsim(q256, narrow_docs, None, narrow_mask, masked="zero")
+            got_tail_ragged = fm.maxsim(q.detach(), packed)
+        check("16-token tail, masked as zero", got_tail,
+              reference.maxsim(q256, narrow_docs, None, narrow_mask, masked="zero"), 1e-5)
+        check("16-token tail, packed", got_tail_ragged, reference.maxsim(q.detach(), ragged), 1e-5)
+        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=3, PROGRAMS_PER_SM=0, PEEL_EACH_DOC=True,
+                               MAXNREG=128):
+            got_each = fm.maxsim(q256, narrow_docs, None, narrow_mask)
+        check("several documents, each peeled", got_each, reference.maxsim(q256, narrow_docs, None, narrow_mask), 1e-5)
         # d = 96 (features padded to 128) in runs whose tiles straddle documents, whole tiles copied by TMA with
         # the padded features zero-filled (the default for such streaming rows), or by the threads; twice each, the
         # second call through the cached launch (the descriptor encoded once)

@@ -176,3 +176,128 @@ def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, 
     assert torch.equal(eight.isnan(), want_ref.isnan().to(eight.device))
     torch.testing.assert_close(eight.double(), want_ref.to(eight.device), rtol=1e-4 if "fp8" in name else 1e-5,
                                atol=1e-3, equal_nan=True)
+
+
+def _narrow_tail_cases():
+    """(name, builder of (scores function, float64 reference) with the reference's gradients, FORWARD_OVERRIDES):
+    documents whose last tile is partial (100 tokens: 64 + 36), in the loop that peels it."""
+    def padded(masked, smooth_tau=None, train=False):
+        def build(g):
+            q = torch.randn(3, 16, 64, generator=g)
+            d = torch.randn(4, 100, 64, generator=g)
+            d[1, 90:] += 3.0                          # the maxima of document 1 in its tail
+            qm = torch.rand(3, 16, generator=g) > 0.2
+            dm = torch.rand(4, 100, generator=g) > 0.3
+            dm[2] = False                             # no valid token
+            q, d, qm, dm = (t.to(DEVICE).bfloat16() if t.is_floating_point() else t.to(DEVICE)
+                            for t in (q, d, qm, dm))
+            return (lambda q_, d_: flash_maxsim.maxsim(q_, d_, qm, dm, masked=masked, smooth_tau=smooth_tau),
+                    lambda q_, d_: reference.maxsim(q_, d_, qm, dm, masked=masked, smooth_tau=smooth_tau), q, d)
+        return build
+
+    def ragged(g):
+        q = torch.randn(2, 16, 64, generator=g).to(DEVICE).bfloat16()
+        docs = torch.randn(5 + 130 + 64 + 81, 64, generator=g).to(DEVICE).bfloat16()
+        lengths = [5, 130, 0, 64, 81]
+
+        def split(d_):
+            return list(torch.split(d_, lengths))
+        return (lambda q_, d_: flash_maxsim.maxsim(q_, split(d_)),
+                lambda q_, d_: reference.maxsim(q_, split(d_)), q, docs)
+
+    def paired(g):
+        q = torch.randn(2, 16, 64, generator=g).to(DEVICE).bfloat16()
+        cands = torch.randn(2, 3, 150, 64, generator=g).to(DEVICE).bfloat16()
+        return (lambda q_, d_: flash_maxsim.maxsim(q_, d_), lambda q_, d_: reference.maxsim(q_, d_), q, cands)
+
+    peeled = dict(DOCS=1, PROGRAMS_PER_SM=0, PEEL_TAIL=True)
+    return [
+        ("hard max", padded("exclude"), dict(peeled, TAIL_N=16)),
+        ("hard max, 32-token tail", padded("exclude"), dict(peeled, TAIL_N=32)),
+        ("partial row maxima, masked as zero", padded("zero"), dict(peeled, TAIL_N=16, ROW_PARTIALS=8)),
+        ("token split", padded("exclude"), dict(peeled, TAIL_N=16, DSPLIT=2)),
+        ("smooth max", padded("exclude", smooth_tau=0.1), dict(peeled, TAIL_N=16)),
+        ("training (arg-max)", padded("zero", train=True), dict(peeled, TAIL_N=16)),
+        ("ragged", ragged, dict(peeled, TAIL_N=16)),
+        ("per-query candidates", paired, dict(peeled, TAIL_N=32)),
+    ]
+
+
+@pytest.mark.parametrize("name, build, overrides", _narrow_tail_cases(), ids=[c[0] for c in _narrow_tail_cases()])
+def test_narrow_tail_tiles_score_like_whole_ones(name, build, overrides, monkeypatch, seed):
+    """``TAIL_N`` (kernels/forward.py): the peeled last tile of each document in narrower tiles, in scoring and in
+    the training forward (its first arg-max, or log-sum-exp, feeds the backward). The same scores as whole last
+    tiles within rounding (a narrower tl.dot may round its sums otherwise), close to the float64 reference,
+    gradients included."""
+    scores, ref, q, d = build(torch.Generator().manual_seed(seed))
+    train = "training" in name
+    q64, d64 = q.double().requires_grad_(train), d.double().requires_grad_(train)
+    want = ref(q64, d64)
+    upstream = torch.linspace(-1, 1, want.numel(), dtype=torch.float64, device=DEVICE).view_as(want)
+    if train:
+        want.backward(upstream)
+    results = []
+    for tail in (0, overrides["TAIL_N"]):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(overrides, TAIL_N=tail))
+        monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+        q_, d_ = q.clone().requires_grad_(train), d.clone().requires_grad_(train)
+        with force_backend("triton"):
+            got = scores(q_, d_)
+            if train:
+                got.backward(upstream.float())
+        plans = list(launch._FORWARD_PLANS.values())
+        assert [p.meta.get("TAIL_N", 0) for p in plans] == [tail]
+        assert plans[0].meta["SAVE_AUX"] == train
+        results.append(got.detach())
+        torch.testing.assert_close(got.detach().double(), want.detach(), rtol=1e-5, atol=1e-3)
+        if train:
+            torch.testing.assert_close(q_.grad.double(), q64.grad, rtol=1e-2, atol=2e-2)
+            torch.testing.assert_close(d_.grad.double(), d64.grad, rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("Ld", [100, 128], ids=["partial last tile", "whole tiles"])
+@pytest.mark.parametrize("masked, smooth_tau", [("exclude", None), ("zero", None), ("exclude", 0.1)],
+                         ids=["hard", "hard, masked as zero", "smooth"])
+def test_several_documents_each_peeled_score_like_one_document_per_program(masked, smooth_tau, Ld, monkeypatch,
+                                                                           seed):
+    """``PEEL_EACH_DOC`` (kernels/forward.py): several documents per program, a loop per document over its whole
+    tiles then its partial last tile, the query tile loaded once. The scores equal those of one document per
+    program (the same tiles folded in the same order; NaN where the NaN token's document is scored), for 2 or 3
+    documents per program (the last program holds fewer), with or without partial row maxima; with the tail in
+    16-token tiles, within rounding; all close to the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 16, 64, generator=g)
+    d = torch.randn(7, Ld, 64, generator=g)
+    d[4, Ld - 3, 5] = float("nan")                       # an unmasked NaN token in a last tile
+    qm = torch.rand(3, 16, generator=g) > 0.2
+    dm = torch.rand(7, Ld, generator=g) > 0.3
+    dm[1] = False                                        # no valid token
+    dm[4, Ld - 3] = True
+    q, d = q.to(DEVICE).bfloat16(), d.to(DEVICE).bfloat16()
+    qm, dm = qm.to(DEVICE), dm.to(DEVICE)
+    want = reference.maxsim(q.double(), d.double(), qm, dm, masked=masked, smooth_tau=smooth_tau)
+    peeled = dict(PROGRAMS_PER_SM=0, PEEL_TAIL=True, FLAT_RUN=False)
+    runs = [("one document per program", dict(peeled, DOCS=1), False)]
+    for docs in (2, 3):
+        for partials in ((1,) if smooth_tau else (1, 8)):
+            runs.append((f"{docs} documents, {partials} partials",
+                         dict(peeled, DOCS=docs, PEEL_EACH_DOC=True, ROW_PARTIALS=partials), True))
+    # with the tail in 16-token tiles: the same within rounding (below)
+    runs.append(("3 documents, 16-token tail", dict(peeled, DOCS=3, PEEL_EACH_DOC=True, TAIL_N=16), True))
+    results = []
+    for label, overrides, each_peeled in runs:
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+        with force_backend("triton"):
+            got = flash_maxsim.maxsim(q, d, qm, dm, masked=masked, smooth_tau=smooth_tau)
+        (plan,) = launch._FORWARD_PLANS.values()
+        assert (plan.meta["MULTI_DOC"], plan.meta.get("PEEL_EACH_DOC", False)) == (each_peeled, each_peeled), label
+        assert torch.equal(got.isnan(), want.isnan().to(got.device)), label
+        torch.testing.assert_close(got.double(), want.to(got.device), rtol=1e-5, atol=1e-3, equal_nan=True)
+        results.append(got)
+    for (label, overrides, _), got in zip(runs[1:], results[1:]):
+        if "TAIL_N" in overrides:
+            torch.testing.assert_close(got, results[0], rtol=1e-6, atol=1e-5, equal_nan=True)
+        else:
+            assert torch.equal(got.nan_to_num(), results[0].nan_to_num()), label

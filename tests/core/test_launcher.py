@@ -342,6 +342,57 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
     assert straddling["FLAT_RUN"] and straddling["STRADDLE"] and straddling["ROW_PARTIALS"] == 1
 
 
+def test_narrow_tail_tiles_only_where_a_peeled_tail_exists(monkeypatch):
+    """``TAIL_N`` (an option, off by default): the kernel gets it only for a loop over one document's tiles with a
+    peeled tail (one document per program, or several each peeled), a width of at least 16 tokens that divides the whole tiles, and documents that can end inside a
+    tile (padded to a length off the tile grid, or ragged). Elsewhere the plan, so the compiled kernel, is as
+    without it."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+
+    def tail(Nq, B, Lq, Ld, ragged=False, save_aux=False, **overrides):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        q = torch.empty(Nq, Lq, 128, dtype=torch.bfloat16)
+        if ragged:
+            docs, offsets = torch.empty(B * Ld, 128, dtype=torch.bfloat16), torch.arange(B + 1) * Ld
+        else:
+            docs, offsets = torch.empty(B, Ld, 128, dtype=torch.bfloat16), None
+        meta = launch._forward_plan(q, docs, None, None, offsets, 0, False, None, save_aux, Ld, None).meta
+        return meta.get("TAIL_N", 0)
+    assert tail(64, 1000, 32, 300) == 0                                # off by default
+    assert tail(64, 1000, 32, 300, TAIL_N=16) == 16
+    assert tail(64, 1000, 32, 300, TAIL_N=32) == 32
+    assert tail(64, 1000, 32, 300, save_aux=True, TAIL_N=16) == 16     # the training forward peels too
+    assert tail(64, 1000, 32, 256, ragged=True, TAIL_N=16) == 16       # ragged documents may end anywhere
+    assert tail(64, 1000, 32, 256, TAIL_N=16) == 0                     # whole tiles only: no tail loop runs
+    assert tail(64, 1000, 32, 300, TAIL_N=8) == 0                      # narrower than tl.dot takes
+    assert tail(64, 1000, 32, 300, TAIL_N=64) == 0                     # not narrower than the whole tiles
+    assert tail(64, 1000, 32, 300, TAIL_N=16, PEEL_TAIL=False) == 0    # one masked loop, no peeled tail
+    assert tail(64, 1000, 32, 300, TAIL_N=16, DOCS=2) == 0             # one loop over several documents' tiles
+    assert tail(64, 1000, 32, 300, TAIL_N=16, DOCS=2, PEEL_EACH_DOC=True) == 16    # a loop per document
+
+
+def test_several_documents_each_peeled_only_in_the_loop_over_their_tiles(monkeypatch):
+    """``PEEL_EACH_DOC`` (an option, off by default): the kernel gets it only where a program scores several
+    documents in the loop over their tiles (not one document per program, not one run of tokens) with the last
+    tile peeled."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+
+    def meta(Ld, **overrides):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        return launch._forward_plan(torch.empty(64, 32, 128, dtype=torch.bfloat16),
+                                    torch.empty(1000, Ld, 128, dtype=torch.bfloat16), None, None, None, 0, False,
+                                    None, False, Ld, None).meta
+    assert "PEEL_EACH_DOC" not in meta(300, DOCS=4)                              # off by default
+    each = meta(300, DOCS=4, PEEL_EACH_DOC=True)
+    assert each["MULTI_DOC"] and not each["FLAT_RUN"] and each["PEEL_EACH_DOC"]
+    persistent = meta(300, PROGRAMS_PER_SM=2, PEEL_EACH_DOC=True)                # 31 documents per program
+    assert persistent["MULTI_DOC"] and persistent["PEEL_EACH_DOC"]
+    assert "PEEL_EACH_DOC" not in meta(300, PEEL_EACH_DOC=True)                  # one document per program
+    assert "PEEL_EACH_DOC" not in meta(300, DOCS=4, PEEL_EACH_DOC=True, PEEL_TAIL=False)
+    run = meta(256, DOCS=4, PEEL_EACH_DOC=True)                                  # whole tiles: one run of tokens
+    assert run["FLAT_RUN"] and "PEEL_EACH_DOC" not in run
+
+
 def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch):
     # run 9: one masked loop is faster when each document token meets at most 32 query tokens (d <= 256);
     # the peeled last tile stays for d = 384, longer queries, several queries, and the training forward

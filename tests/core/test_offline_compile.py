@@ -194,6 +194,33 @@ def test_partial_maxima_over_pairs_fit_the_int8_grids_registers(hopper):
         assert loops and all(not loop["ops"].get("STL") and not loop["ops"].get("LDL.LU") for loop in loops)
 
 
+def test_narrow_tail_tiles_take_narrow_products_in_the_tail_loop_only(hopper):
+    """``TAIL_N``: the peeled tail's loop multiplies 16- or 32-token tiles (wgmma m64n16 / m64n32) while the loop of
+    whole tiles keeps its 64-token products, in the same shared memory and with nothing spilled."""
+    default = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    for tail in (16, 32):
+        row = _by_case(hopper[1], f"bf16 64x1k 32x300 (256 rows) {tail}-token tail")
+        assert row["meta"]["TAIL_N"] == tail and "TAIL_N" not in default["meta"]
+        assert row["local_bytes"] == 0 and row["shared_bytes"] == default["shared_bytes"]
+        products = sorted(op for loop in row["loops"] for op in loop["ops"] if "GMMA" in op)
+        assert products == sorted(["HGMMA.64x64x16.F32.BF16", f"HGMMA.64x{tail}x16.F32.BF16"]), products
+
+
+def test_several_documents_each_peeled_keep_the_tile_loops_of_one(hopper):
+    """``PEEL_EACH_DOC`` at 128 registers (2 programs of 8 warps per SM, as one document per program runs): the
+    loops over a document's whole tiles and its last tile are those of one document per program within a few
+    instructions (the same products, the last tile's per-element tests only there), nothing spilled inside them."""
+    one = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    each = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) 4 documents, each peeled, 128 registers")
+    assert each["meta"]["PEEL_EACH_DOC"] and each["meta"]["MULTI_DOC"] and each["registers"] <= 128
+    assert each["shared_bytes"] == one["shared_bytes"] and len(each["loops"]) == len(one["loops"]) == 2
+    for e, o in zip(each["loops"], one["loops"]):
+        assert e["ops"]["HGMMA.64x64x16.F32.BF16"] == o["ops"]["HGMMA.64x64x16.F32.BF16"]
+        assert e["ops"].get("FSEL", 0) == o["ops"].get("FSEL", 0)
+        assert not e["ops"].get("STL") and not e["ops"].get("LDL") and not e["ops"].get("LDL.LU")
+        assert abs(e["instructions"] - o["instructions"]) <= 0.1 * o["instructions"]
+
+
 def test_padded_features_and_128_rows_stream_in_runs(hopper):
     """d = 96 (features padded to 128) streaming one query: several documents per program (a run whose tiles
     straddle them), 2 warps in at most 128 registers (8 programs per SM); 128 query rows over runs of whole tiles:

@@ -287,6 +287,49 @@ def _fold_tile(
 
 
 @triton.jit
+def _fold_document(
+    m, acc, arg, n_lo, n_hi, cols, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base, q_scale,
+    stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+    HAS_SCALES: tl.constexpr, QUANTIZE_Q: tl.constexpr, HAS_DMASK: tl.constexpr, ZERO_MASKED: tl.constexpr,
+    SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    WHOLE_TILE_MASKS: tl.constexpr, ROW_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, TAIL_N: tl.constexpr,
+):
+    """Folds one document's tokens ``[n_lo, n_hi)`` (``cols``: ``tl.arange(0, BLOCK_N)``, 64-bit where offsets
+    times strides may pass 2^31) into the running state: with ``PEEL_TAIL`` its whole tiles first, without the
+    per-element range test, then the one partial tile at the end, if any; in ``TAIL_N``-token tiles when set (a
+    divisor of BLOCK_N: a 300-token document's last 44 tokens take 48 columns of products instead of 64)."""
+    if PEEL_TAIL:
+        n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
+    else:
+        n_full = n_lo
+    for n0 in range(n_lo, n_full, BLOCK_N):
+        m, acc, arg = _fold_tile(
+            m, acc, arg, n0, n0 + cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+            m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
+            PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS)
+    if TAIL_N > 0:
+        # (the default's tail loop reuses ``cols``: a second arange there changes the compiled code of the
+        # streaming kernels, whose one loop is this one)
+        tail_cols = tl.arange(0, TAIL_N).to(cols.dtype)
+        for n0 in range(n_full, n_hi, TAIL_N):
+            m, acc, arg = _fold_tile(
+                m, acc, arg, n0, n0 + tail_cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK,
+                SCALES, m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS,
+                UPCAST, PRECISION, TAIL_N, EVEN_D, False, ROW_PARTIALS)
+    else:
+        for n0 in range(n_full, n_hi, BLOCK_N):
+            m, acc, arg = _fold_tile(
+                m, acc, arg, n0, n0 + cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK,
+                SCALES, m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS,
+                UPCAST, PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
+    return m, acc, arg
+
+
+@triton.jit
 def _exact_scales(sc):
     """Per token: whether bit-cast sums scaled by this scale are exact (``_tile_similarities``): 0, or in
     [2^-77, 2^28) (not NaN, infinite, negative, or so small or large that a product leaves fp32's normal range)."""
@@ -472,7 +515,7 @@ def maxsim_fwd_kernel(
     MULTI_DOC: tl.constexpr, FLAT_RUN: tl.constexpr, STRADDLE: tl.constexpr, EVEN_D: tl.constexpr,
     WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
     TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr = False, BITCAST_REDO: tl.constexpr = True,
-    ROW_PARTIALS: tl.constexpr = 1,
+    ROW_PARTIALS: tl.constexpr = 1, TAIL_N: tl.constexpr = 0, PEEL_EACH_DOC: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -586,6 +629,21 @@ def maxsim_fwd_kernel(
                         d, inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
                         HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
                         BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, False, False, False, 1)
+        elif PEEL_EACH_DOC:
+            # a loop per document: its whole tiles without the per-element range test, then its partial last tile;
+            # the query tile loaded once for all the program's documents (one document per program reloads it:
+            # 64 KB per 77 KB of document at 64 queries x 32 tokens, 256 rows)
+            for j in range(0, n_here):
+                tj = t * docs_per_program + j
+                m, acc, arg = _fold_document(
+                    m, acc, arg, 0, Ld, cols64, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
+                    SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+                    HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
+                    PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS, True, TAIL_N)
+                _, row_val, _ = _row_values(_rows_max(m, ROW_PARTIALS, False), acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+                _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc, QPB, TOKB)
+                m = _running_max_init(BLOCK_M, ROW_PARTIALS)
+                acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):
@@ -608,23 +666,11 @@ def maxsim_fwd_kernel(
     else:
         n_lo = ds * tokens_per_dsplit
         n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)
-        # whole tiles first, without the per-element range test; then the one partial tile at the end, if any
-        if PEEL_TAIL:
-            n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
-        else:
-            n_full = n_lo
-        for n0 in range(n_lo, n_full, BLOCK_N):
-            m, acc, arg = _fold_tile(
-                m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
-                m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-                False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS)
-        for n0 in range(n_full, n_hi, BLOCK_N):
-            m, acc, arg = _fold_tile(
-                m, acc, arg, n0, n0 + ncols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
-                m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
+        m, acc, arg = _fold_document(
+            m, acc, arg, n_lo, n_hi, ncols, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+            q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, HAS_SCALES, QUANTIZE_Q,
+            HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D,
+            WHOLE_TILE_MASKS, ROW_PARTIALS, PEEL_TAIL, TAIL_N)
         m = _rows_max(m, ROW_PARTIALS, False)
 
         m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)

@@ -110,7 +110,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     cfg = dict(TOKB=tokb, QPB=qpb, BLOCK_N=64 if d <= 256 else 128, BLOCK_D=block_d, D_CHUNKS=d_chunks,
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
                DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
-               QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False, ROW_PARTIALS=1)
+               QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False, ROW_PARTIALS=1, TAIL_N=0,
+               PEEL_EACH_DOC=False)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -384,6 +385,18 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # of documents whose tiles straddle two documents
     plan.meta["ROW_PARTIALS"] = (int(cfg["ROW_PARTIALS"]) if not smooth and not save_aux
                                  and not plan.meta["STRADDLE"] else 1)
+    # several documents per program, not one run of tokens: a loop per document with its last tile peeled
+    # (kernels/forward.py), instead of one loop over all their tiles, each tested per element; an option
+    each_peeled = docs > 1 and not flat_run and bool(cfg["PEEL_TAIL"]) and bool(cfg["PEEL_EACH_DOC"])
+    if each_peeled:
+        plan.meta["PEEL_EACH_DOC"] = True
+    # the peeled tail in narrower tiles (kernels/forward.py, _fold_document), where a loop per document peels it:
+    # tail tiles of at least 16 tokens (tl.dot's least) that divide the whole ones, documents that can end inside a
+    # tile; an option, passed only when taken, so that other kernels stay as they were
+    tail_n = int(cfg["TAIL_N"])
+    if (tail_n and cfg["PEEL_TAIL"] and (docs == 1 or each_peeled) and 16 <= tail_n < cfg["BLOCK_N"]
+            and cfg["BLOCK_N"] % tail_n == 0 and (max_len % cfg["BLOCK_N"] != 0 or offsets is not None)):
+        plan.meta["TAIL_N"] = tail_n
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
     plan.meta_key = tuple(plan.meta.items())
