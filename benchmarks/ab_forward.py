@@ -15,11 +15,13 @@ Not the published benchmark (benchmarks/bench.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -173,15 +175,16 @@ def forward_scores(lm, p):
                       False, None, False, p.max_length, p.document_scales)[0]
 
 
-def time_interleaved(entries, want, rounds: int, tol: float = 1e-5) -> dict:
+def time_interleaved(entries, want, rounds: int, tol: float = 1e-5, clocks=None) -> dict:
     """``label -> [ms per round]`` for ``entries`` of ``(label, call, before)``, timed in interleaved rounds
     (``triton.testing.do_bench`` medians). ``before`` (or None) runs ahead of each entry's check and timing (e.g.
     sets its overrides). Each round first checks the entry's scores against ``want`` (relative 1e-5); an entry that
     fails, does not compile or does not fit is timed as inf under a label that names the error, and the sweep goes
-    on."""
+    on. ``clocks`` (a running gpu_clocks.ClockSampler): each timed pass is printed with the GPU's clocks, power and
+    throttle reasons during it."""
     import triton.testing
     times: dict = {}
-    for _ in range(rounds):
+    for r in range(rounds):
         for label, call, before in entries:
             if before is not None:
                 before()
@@ -190,7 +193,10 @@ def time_interleaved(entries, want, rounds: int, tol: float = 1e-5) -> dict:
                 err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
                 if not err <= tol:
                     raise AssertionError(f"scores differ from the first entry's (relative {err:.1e})")
+                t0 = time.monotonic()
                 t = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
+                if clocks is not None:
+                    print(f"  pass {r} {label}: {t:.4f} ms, {clocks.summary(t0, time.monotonic())}", flush=True)
             except Exception as exc:
                 t = float("inf")
                 label = f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"
@@ -236,6 +242,8 @@ def main(argv=None) -> int:
                     "(e.g. int8, 1024x1024)")
     ap.add_argument("--variants", default="", help="indices into VARIANTS, comma-separated (default: all)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clocks", action="store_true", help="print every timed pass with the GPU's SM clock, power, "
+                    "temperature and throttle reasons during it (nvidia-smi sampled every 20 ms: gpu_clocks.py)")
     ap.add_argument("--host", action="store_true", help="first, the host time of a launch with and without a TMA "
                     "descriptor, on a run of documents small enough to be host-bound")
     args = ap.parse_args(argv)
@@ -251,7 +259,6 @@ def main(argv=None) -> int:
         base_launch = importlib.import_module("flash_maxsim_base.kernels.launch")
         with open(os.path.join(args.base, "flash_maxsim_base", "REVISION")) as f:
             print(f"baseline: kernels of {f.read().strip()}")
-    dev = "cuda"
     variants = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     torch.manual_seed(0)
     if args.host:
@@ -260,6 +267,22 @@ def main(argv=None) -> int:
     def set_overrides(v):
         launch.FORWARD_OVERRIDES.clear()
         launch.FORWARD_OVERRIDES.update(v)
+    clocks = None
+    with contextlib.ExitStack() as stack:
+        if args.clocks:
+            from gpu_clocks import ClockSampler
+            clocks = stack.enter_context(ClockSampler())
+        run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, clocks)
+    # a failed direct launch switches every later one to Triton's path (slower on the host, same kernels): say so
+    from flash_maxsim.kernels import _launcher
+    print(f"direct launches: {'on' if _launcher._enabled else 'off (fell back to Triton launches)'}")
+    return 0
+
+
+def run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, clocks) -> None:
+    """Every row of ROWS that ``--rows`` selects: the baseline and the variants in interleaved rounds, a ranked
+    line each."""
+    dev = "cuda"
     for Nq, B, Lq, Ld, d, kind in ROWS:
         name = f"{kind or 'bf16'} {Nq}x{B} {Lq}x{Ld} d={d}"
         if not any(r in name for r in args.rows.split(",")):
@@ -276,14 +299,10 @@ def main(argv=None) -> int:
         want = forward_scores(base_launch or launch, p)
         # fp8 rows: Hopper's fp8 tensor cores sum in fewer bits than fp32 (~2^-14 of the products' magnitude: docs/
         # semantics.md), so an fp8 path on other tensor-core instructions differs at ~1e-4 of the largest score
-        times = time_interleaved(entries, want, args.rounds, 5e-4 if kind == "fp8" else 1e-5)
+        times = time_interleaved(entries, want, args.rounds, 5e-4 if kind == "fp8" else 1e-5, clocks)
         launch.FORWARD_OVERRIDES.clear()
         print(f"ab {name}: {ranked_line(times, 'base')}", flush=True)
         del q, docs, p
-    # a failed direct launch switches every later one to Triton's path (slower on the host, same kernels): say so
-    from flash_maxsim.kernels import _launcher
-    print(f"direct launches: {'on' if _launcher._enabled else 'off (fell back to Triton launches)'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""benchmarks/gpu_clocks.py (what ``ab_forward.py --clocks`` prints beside each timed pass) on this GPU-less machine:
+nvidia-smi's CSV lines parsed and summarised, samples stamped as they arrive and kept to a pass's window of time,
+and a missing or failing nvidia-smi reported instead of stopping the benchmark."""
+
+import stat
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_clocks  # noqa: E402
+
+
+def test_samples_parse_and_summarise_with_their_throttle_reasons():
+    text = "1980, 512.3, 55, 0x0000000000000000\n1755, 690.0, 61, 0x0000000000000004\n[N/A], 1, 2, 0x0\n" \
+           "1830, 600.5, 58, 0x0000000000000005\n"
+    samples = gpu_clocks.parse_samples(text)
+    assert [s.sm_mhz for s in samples] == [1980, 1755, 1830]        # the [N/A] line skipped
+    assert [s.reasons for s in samples] == [0, 4, 5]
+    line = gpu_clocks.summarize(samples)
+    assert line.startswith("SM 1830 MHz (min 1755), 600 W (max 690), 61 C, ")
+    assert "sw_power_cap 67%" in line and "gpu_idle" not in line and line.endswith("(3 samples)")
+    assert gpu_clocks.summarize(samples[:1]).endswith("throttled: none (1 samples)")
+    assert gpu_clocks.summarize([]) == "no clock samples"
+
+
+def _fake_smi(tmp_path, body):
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_sampler_keeps_each_pass_to_its_window(tmp_path):
+    smi = _fake_smi(tmp_path, "echo '1980, 500, 50, 0x0'\nsleep 0.5\necho '1400, 700, 70, 0x4'\nexec sleep 30\n")
+    with gpu_clocks.ClockSampler(command=smi) as clocks:
+        deadline = time.monotonic() + 10
+        while len(clocks.stamped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (t_first, _), (t_second, _) = clocks.stamped
+    assert t_second - t_first >= 0.4
+    assert clocks.summary(t_first - 0.01, t_first + 0.01).startswith("SM 1980 MHz (min 1980)")
+    assert "sw_power_cap 100%" in clocks.summary(t_second - 0.01, t_second + 0.01)
+    assert clocks.summary().endswith("(2 samples)")
+
+
+def test_a_missing_or_failing_nvidia_smi_is_reported(tmp_path):
+    with gpu_clocks.ClockSampler(command=str(tmp_path / "absent")) as clocks:
+        pass
+    assert clocks.summary().startswith("nvidia-smi unavailable")
+    smi = _fake_smi(tmp_path, "echo 'No devices were found' >&2\nexit 6\n")
+    with gpu_clocks.ClockSampler(command=smi) as clocks:
+        time.sleep(0.3)
+    assert clocks.summary() == "nvidia-smi: No devices were found"
