@@ -257,7 +257,11 @@ TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "dense"}}, {"bwd": {"DD_METHOD": "dense
                # then maxsim_bwd_dd_sorted_blocks_kernel): its chunk loop unpipelined or on 2 stages, blocks of 64
                # tokens on 4 warps (the default) or 128 on 8
                {"bwd": {"DD_METHOD": "sorted"}}, {"bwd": {"DD_METHOD": "sorted", "DD_STAGES": 2}},
-               {"bwd": {"DD_METHOD": "sorted", "DD_BLOCK_N": 128, "DD_WARPS": 8}}]
+               {"bwd": {"DD_METHOD": "sorted", "DD_BLOCK_N": 128, "DD_WARPS": 8}},
+               # session 19 (untimed): the smooth max's gradients load each streamed tile once for their two products;
+               # RELOAD_TILE loads it twice as before (offline sm_90, unmasked: dQ 652 against 730 instructions per
+               # tile, 64 against 96 KB of shared memory; dD 747 against 837)
+               {"bwd": {"RELOAD_TILE": True}}]
 
 
 def training_problem(dev, Nq, B, Lq, Ld, K):

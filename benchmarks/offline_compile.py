@@ -173,6 +173,12 @@ CASES = [
                                                      _mask(128, 300)), training=True),
     Case("train bf16 smooth ColPali B16", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None,
                                                    _mask(16, 1030)), masked="zero", smooth_tau=0.1, training=True),
+    # the benchmark's smooth row (no masks): the gradients' streamed tiles loaded once (session 19)
+    Case("train bf16 smooth ColPali B16 unmasked", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None, None),
+         smooth_tau=0.1, training=True),
+    Case("train bf16 smooth ColPali B16 unmasked, tiles loaded twice",
+         lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None, None), smooth_tau=0.1, training=True,
+         backward_overrides={"RELOAD_TILE": True}),
     Case("train bf16 KD 8x8 paired", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
                                               None, None), training=True),
     Case("train fp16 ragged", lambda: (_q(3, 20, 128, FP16), _ragged([5, 70, 33], 128, FP16), None, None),

@@ -45,6 +45,12 @@ def main():
             out.sum().backward()
             check(f"in-batch {masked} tau={tau}", out, reference.maxsim(q.detach(), d.detach(), qm, dm, masked=masked,
                                                                          smooth_tau=tau), 1e-5)
+    # the smooth max without masks: its gradients load each streamed tile once for both products (session 19)
+    q128 = torch.randn(6, 32, 128, device=dev, dtype=bf, requires_grad=True)
+    d128 = torch.randn(9, 333, 128, device=dev, dtype=bf, requires_grad=True)
+    out = fm.maxsim(q128, d128, smooth_tau=0.1)
+    (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+    check("in-batch smooth, no masks", out, reference.maxsim(q128.detach(), d128.detach(), smooth_tau=0.1), 1e-5)
     cand = torch.randn(6, 3, 70, 96, device=dev, dtype=bf, requires_grad=True)
     out = fm.maxsim(q, cand, qm)
     out.sum().backward()

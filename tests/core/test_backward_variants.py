@@ -184,6 +184,56 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
     torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64), (torch.bfloat16, 40), (torch.float32, 24),
+                                      (torch.bfloat16, 300)], ids=["bf16", "bf16-padded-features", "fp32",
+                                                                   "bf16-chunked-features"])
+@pytest.mark.parametrize("layout", ["masked", "packed", "candidates"])
+def test_smooth_gradients_load_each_streamed_tile_once(overrides, layout, dtype, d):
+    """The smooth max's dQ and dD multiply each streamed tile (dQ: a document tile, dD: a block of query rows) twice,
+    once for the similarities and once for the gradient, from one load (session 19; chunked features keep two:
+    the similarities need every feature, the gradient its program's slice). Gradients and scores equal bit for bit
+    those of the two loads before (``RELOAD_TILE``), masked document tokens holding NaN included (they load as 0
+    and take no part), and match the float64 reference."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(19)
+    q = torch.randn(3, 6, d, generator=g).to(dev, dtype)
+    qm = (torch.rand(3, 6, generator=g) > 0.2).to(dev)
+    kw = dict(smooth_tau=0.2)
+    if layout == "masked":
+        docs = torch.randn(5, 70, d, generator=g)
+        dm = torch.rand(5, 70, generator=g) > 0.3
+        dm[2] = False                                       # a document with no valid token
+        docs[1, 7] = float("nan")                           # a masked token holding NaN
+        dm[1, 7] = False
+        docs, kw["documents_mask"] = docs.to(dev, dtype), dm.to(dev)
+        kw["queries_mask"] = qm
+    elif layout == "packed":
+        docs = [torch.randn(n, d, generator=g).to(dev, dtype) for n in (5, 70, 0, 64)]
+    else:
+        docs = torch.randn(3, 2, 33, d, generator=g).to(dev, dtype)
+    results = []
+    for reload in (True, False):
+        overrides.BACKWARD_OVERRIDES.clear()
+        overrides.BACKWARD_OVERRIDES.update(RELOAD_TILE=reload)
+        overrides._BACKWARD_PLANS.clear()
+        with force_backend("triton"):
+            results.append(_grads(q, docs, **kw))
+        metas = [m for p in overrides._BACKWARD_PLANS.values() for m in (p.dq_meta, p.dd_meta)]
+        assert [m.get("RELOAD_TILE", False) for m in metas] == [reload, reload]
+    (out0, _, gq0, _, gd0, _), (out, ref, gq, gq64, gd, gd64) = results
+    assert torch.equal(out, out0) and torch.equal(gq, gq0) and torch.equal(gd, gd0)
+    assert not gd.isnan().any() and not gq.isnan().any()
+    if layout == "masked":
+        # the float64 reference multiplies the masked NaN by 0 (NaN): its gradients from the token set to 0, which
+        # takes no part either
+        with force_backend("triton"):
+            _, ref, _, gq64, _, gd64 = _grads(q, docs.nan_to_num(), **kw)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gq.double(), gq64, **tol)
+    torch.testing.assert_close(gd.double(), gd64, **tol)
+
+
 @pytest.mark.parametrize("smooth_tau", [None, 0.3])
 @pytest.mark.parametrize("grouping, docs, groups", [({"DOCS": 3, "TMA_DOCS": True}, 3, 3),
                                                      ({"PROGRAMS_PER_SM": 2}, 6, 2)])

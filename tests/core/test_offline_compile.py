@@ -221,6 +221,24 @@ def test_several_documents_each_peeled_keep_the_tile_loops_of_one(hopper):
         assert abs(e["instructions"] - o["instructions"]) <= 0.1 * o["instructions"]
 
 
+def test_smooth_gradients_load_each_streamed_tile_once(hopper):
+    """The smooth max's dQ (document tiles) and dD (blocks of query rows) load each streamed tile once for their two
+    products: half the 128-bit loads per iteration of the tile loops of the two loads before (``RELOAD_TILE``), and
+    dQ in one pipeline buffer less of shared memory."""
+    for kernel in ("maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel"):
+        once = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", kernel)
+        twice = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice", kernel)
+
+        def wide_loads(row):
+            return sum(n for loop in row["loops"] for op, n in loop["ops"].items()
+                       if op in ("LDGSTS.E.BYPASS.128", "LDG.E.128"))
+        assert 0 < 2 * wide_loads(once) <= wide_loads(twice), kernel
+        assert once["shared_bytes"] <= twice["shared_bytes"] and once["local_bytes"] == 0, kernel
+    assert (_by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", "maxsim_bwd_dq_kernel")["shared_bytes"]
+            < _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice",
+                       "maxsim_bwd_dq_kernel")["shared_bytes"])
+
+
 def test_padded_features_and_128_rows_stream_in_runs(hopper):
     """d = 96 (features padded to 128) streaming one query: several documents per program (a run whose tiles
     straddle them), 2 warps in at most 128 registers (8 programs per SM); 128 query rows over runs of whole tiles:

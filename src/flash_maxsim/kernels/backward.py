@@ -54,7 +54,7 @@ def _dq_program(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
 ):
     # program pid: QPB queries x TOKB tokens (one query when PAIRED), a range of columns, one BLOCK_D feature slice
     BLOCK_M: tl.constexpr = QPB * TOKB
@@ -104,22 +104,37 @@ def _dq_program(
                 n = n0 + tl.arange(0, BLOCK_N)
                 in_range = n < dlen
                 d_row_off = d_base + n * stride_dl
-                s = _similarity_tile(q_tile, Q, q_row_off, q_live, D, d_row_off, in_range, d_cols0,
-                                     stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False, True, False)
-                if HAS_DMASK:
-                    dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
-                    valid = in_range & (dm != 0)
-                else:
+                if D_CHUNKS == 1 and not HAS_DMASK and not RELOAD_TILE:
+                    # one load of the document tile for both products, S = Q D^T and P D (session 19: the tile was
+                    # loaded twice, 16 KB more per 64 tokens and a second pipeline buffer). Not with a documents'
+                    # mask: its values would then gate the load a stage ahead (offline sm_90: ~40 more spills and
+                    # reloads per tile at the 255-register limit)
                     valid = in_range
-                p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
-                p = tl.where(valid[None, :], p, 0.0)
-                # masked tokens load as 0 (P is 0 there; 0 * NaN would leak a stored NaN)
-                d_tile = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
-                                 mask=valid[:, None] & col_ok[None, :], other=0.0)
-                if UPCAST:
-                    acc += tl.dot(p, d_tile.to(tl.float32), input_precision=PRECISION)
+                    d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
+                                     mask=valid[:, None] & (d_cols0[None, :] < d), other=0.0)
+                    if UPCAST:
+                        d_tile = d_tile.to(tl.float32)
+                    s = tl.dot(q_tile, tl.trans(d_tile), input_precision=PRECISION)
+                    p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
+                    p = tl.where(valid[None, :], p, 0.0)
                 else:
-                    acc += tl.dot(p.to(d_tile.dtype), d_tile, input_precision=PRECISION)
+                    s = _similarity_tile(q_tile, Q, q_row_off, q_live, D, d_row_off, in_range, d_cols0,
+                                         stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False, True,
+                                         False)
+                    if HAS_DMASK:
+                        dm = tl.load(DMASK + m_base + n * stride_dml, mask=in_range, other=0)
+                        valid = in_range & (dm != 0)
+                    else:
+                        valid = in_range
+                    p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
+                    p = tl.where(valid[None, :], p, 0.0)
+                    # masked tokens load as 0 (P is 0 there; 0 * NaN would leak a stored NaN); chunked features:
+                    # this program's slice of them
+                    d_tile = tl.load(D + d_row_off[:, None] + cols[None, :].to(tl.int64) * stride_dd,
+                                     mask=valid[:, None] & col_ok[None, :], other=0.0)
+                    if UPCAST:
+                        d_tile = d_tile.to(tl.float32)
+                acc += tl.dot(p.to(d_tile.dtype), d_tile, input_precision=PRECISION)
         else:
             j = tl.load(aux_ptr, mask=row_ok, other=-1)
             hit = j >= 0
@@ -292,7 +307,7 @@ def _dd_dense_program(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
 ):
     # program pid: one document, BLOCK_N of its tokens, one BLOCK_D feature slice; loops over blocks of query rows.
     # dD_tile += (W * G)^T @ Q_rows with W = P (smooth) or the one-hot of the arg-max (hard), on tensor cores.
@@ -358,20 +373,30 @@ def _dd_dense_program(
                 q_row_off = qidx * stride_qn + tok * stride_ql
                 aux_ptr = AUX + qidx * stride_an + col * stride_ac + tok * stride_al
                 g = tl.load(G + qidx * stride_gn + col * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
-                if SMOOTH:
+                if SMOOTH and D_CHUNKS == 1 and not RELOAD_TILE:
+                    # one load of the query rows for both products, S^T = D Q^T and P^T Q (session 19: they were
+                    # loaded twice, 32 KB more per 128 rows)
+                    q_rows = tl.load(Q + q_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_qd,
+                                     mask=row_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
                     lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
-                    # S^T tile [BLOCK_N, BLOCK_M]
-                    st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
-                                          stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False, True,
-                                          False)
+                    st = tl.dot(d_tile, tl.trans(q_rows.to(d_tile.dtype)), input_precision=PRECISION)
                     pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
                     pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
                 else:
-                    j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
-                    # 32-bit offsets into the block (n is 64-bit: twice the compare instructions)
-                    pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
-                q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
-                                 mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                    if SMOOTH:
+                        lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
+                        # S^T tile [BLOCK_N, BLOCK_M] over all the features (chunked: this program's slice below)
+                        st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
+                                              stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False,
+                                              True, False)
+                        pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
+                        pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
+                    else:
+                        j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
+                        # 32-bit offsets into the block (n is 64-bit: twice the compare instructions)
+                        pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
+                    q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
+                                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
                 acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)
 
     tl.store(DD + o_base + n[:, None] * stride_odl + cols[None, :] * stride_odd,
@@ -394,7 +419,7 @@ def maxsim_bwd_dq_kernel(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
 ):
     _dq_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
                 Nq, Lq, d, Ld, C, K, n_qblocks, n_splits, n_csplits, cols_per_split,
@@ -402,7 +427,7 @@ def maxsim_bwd_dq_kernel(
                 stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
                 stride_os, stride_on, stride_ol, stride_od, inv_tau_log2e,
                 PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION)
+                PRECISION, RELOAD_TILE)
 
 
 @triton.jit
@@ -421,7 +446,7 @@ def maxsim_bwd_dd_dense_kernel(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
 ):
     _dd_dense_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
                       Nq, Lq, d, Ld, K, n_nblocks,
@@ -429,7 +454,7 @@ def maxsim_bwd_dd_dense_kernel(
                       stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
                       stride_odt, stride_odl, stride_odd, inv_tau_log2e,
                       PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
-                      PRECISION, G_SPLIT)
+                      PRECISION, G_SPLIT, RELOAD_TILE)
 
 
 @triton.jit

@@ -669,6 +669,10 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dq_scalars = (*dq_sizes, *strides)
         plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=dq_warps,
                             num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
+        if smooth and BACKWARD_OVERRIDES.get("RELOAD_TILE"):
+            # the smooth max's streamed tile loaded twice, for its two products, as before session 19 (an A/B
+            # option, to be removed once measured)
+            plan.dq_meta["RELOAD_TILE"] = True
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = dd_method
     # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit parts, whole
@@ -687,6 +691,8 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
             plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1), G_SPLIT=g_split)
+            if smooth and BACKWARD_OVERRIDES.get("RELOAD_TILE"):
+                plan.dd_meta["RELOAD_TILE"] = True
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method == "sorted":
             sorted_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", SORTED_DD_BLOCK_N)
