@@ -6,7 +6,9 @@
 
 Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 index), bf16-64q (64x1k 32x300),
 bf16-128x1024 (1x1k 128x1024); training steps (scores, cross-entropy, backward): train-b256 (ColPali in-batch
-B256 32x1030), train-b64 (B64 32x1030), for the backward kernels (``--kernel-name maxsim_bwd_dd_sorted_blocks_kernel``).
+B256 32x1030), train-b64 (B64 32x1030), train-b64x8 (ColBERT B64 + 7 negatives: 512 documents of 32x300),
+train-smooth-b128 (the smooth max, tau 0.1, ColPali B128), for the backward kernels (``--kernel-name
+maxsim_bwd_dd_sorted_blocks_kernel``, ``maxsim_bwd_dq_kernel``, ``maxsim_bwd_dd_dense_kernel``).
 An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile), or
 for a training case ``BACKWARD_OVERRIDES``.
 """
@@ -20,18 +22,20 @@ import flash_maxsim as fm
 
 CASES = {"int8-1024": (1, 10000, 1024, 1024, True), "int8-300": (1, 10000, 32, 300, True),
          "bf16-64q": (64, 1000, 32, 300, False), "bf16-128x1024": (1, 1000, 128, 1024, False)}
-TRAIN_CASES = {"train-b256": (256, 32, 1030), "train-b64": (64, 32, 1030)}
+# (queries, documents, Lq, Ld, smooth_tau): in-batch, the first Nq documents each query's positive
+TRAIN_CASES = {"train-b256": (256, 256, 32, 1030, None), "train-b64": (64, 64, 32, 1030, None),
+               "train-b64x8": (64, 512, 32, 300, None), "train-smooth-b128": (128, 128, 32, 1030, 0.1)}
 
 
 def train(name: str, overrides: str = "{}") -> None:
     from flash_maxsim.kernels import launch
     launch.BACKWARD_OVERRIDES.update(json.loads(overrides))
-    B, Lq, Ld = TRAIN_CASES[name]
-    q = torch.randn(B, Lq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    Nq, B, Lq, Ld, tau = TRAIN_CASES[name]
+    q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     docs = torch.randn(B, Ld, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.arange(B, device="cuda")
+    labels = torch.arange(Nq, device="cuda")
     for _ in range(4):
-        torch.nn.functional.cross_entropy(fm.maxsim(q, docs), labels).backward()
+        torch.nn.functional.cross_entropy(fm.maxsim(q, docs, smooth_tau=tau), labels).backward()
     torch.cuda.synchronize()
     print(f"{name}: done", flush=True)
 
