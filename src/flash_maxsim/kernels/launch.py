@@ -510,7 +510,8 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
 
 # Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sorted" | "sparse" (hard max only);
 # DD_BLOCK_N, DD_WARPS, DD_STAGES, G_SPLIT (the dense and the sorted dD's block kernels); DQ_WARPS,
-# DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial sums; 0 = no split).
+# DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial sums; 0 = no split); RELOAD_TILE
+# (the smooth max's gradients load each streamed tile twice, once per product, as before session 19: an A/B).
 BACKWARD_OVERRIDES: dict = {}
 
 # "sorted" dD (kernels/backward.py): a document's arg-max entries sorted in registers by one program of 8 warps
