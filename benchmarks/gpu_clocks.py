@@ -1,6 +1,6 @@
 """The GPU's clocks, power and throttle reasons sampled while a benchmark runs, so that a slow pass can be told
-from a slow kernel: ``nvidia-smi`` polled every ``interval_ms`` in a background process, each sample stamped as it arrives and
-summarised over a window of time (one timed pass).
+from a slow kernel: ``nvidia-smi`` polled every ``interval_ms`` in a background process, each sample stamped as it
+arrives and summarised over a window of time (one timed pass).
 
     with ClockSampler() as clocks:
         t0 = time.monotonic(); run_the_row(); t1 = time.monotonic()
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+# newer drivers name the last field clocks_event_reasons.active; tried when the first query is refused
+QUERY_NEWER = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 # bits of clocks_throttle_reasons.active (NVML's nvmlClocksThrottleReasons)
 THROTTLE_REASONS = {
@@ -75,8 +77,7 @@ class ClockSampler:
     stamped with ``time.monotonic()`` as it arrives, so that ``summary(t0, t1)`` speaks of one timed pass."""
 
     def __init__(self, interval_ms: int = 20, index: int = 0, command: str = "nvidia-smi"):
-        self.args = [command, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", f"-lms={interval_ms}",
-                     f"--id={index}"]
+        self.command, self.interval_ms, self.index = command, interval_ms, index
         self.proc: Optional[subprocess.Popen] = None
         self.reader: Optional[threading.Thread] = None
         self.stamped: list = []          # (monotonic seconds, Sample)
@@ -87,10 +88,27 @@ class ClockSampler:
             for sample in parse_samples(line):
                 self.stamped.append((time.monotonic(), sample))
 
+    def _query(self, fields: str) -> list:
+        return [self.command, f"--query-gpu={fields}", "--format=csv,noheader,nounits", f"--id={self.index}"]
+
     def __enter__(self):
+        # one query first, to choose the field names this driver takes (and fail early where there is none)
+        fields, err = QUERY, ""
+        for fields in (QUERY, QUERY_NEWER):
+            try:
+                once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=10)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self.error = f"nvidia-smi unavailable ({e})"
+                return self
+            if once.returncode == 0 and parse_samples(once.stdout):
+                break
+            err = (once.stderr or once.stdout).strip()
+        else:
+            self.error = f"nvidia-smi: {err.splitlines()[-1] if err else 'no samples'}"
+            return self
         try:
-            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         bufsize=1)
+            self.proc = subprocess.Popen(self._query(fields) + [f"--loop-ms={self.interval_ms}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         except OSError as e:
             self.error = f"nvidia-smi unavailable ({e})"
             return self
@@ -102,13 +120,12 @@ class ClockSampler:
         if self.proc is not None:
             self.proc.terminate()
             try:
-                _, err = self.proc.communicate(timeout=5)
+                self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                _, err = self.proc.communicate()
-            self.reader.join(timeout=5)
-            if not self.stamped and err and err.strip():
-                self.error = f"nvidia-smi: {err.strip().splitlines()[-1]}"
+                self.proc.wait()
+            self.reader.join(timeout=5)       # the reader alone reads stdout, to its end
+            self.proc.stdout.close()
         return False
 
     def summary(self, t0: float = float("-inf"), t1: float = float("inf")) -> str:

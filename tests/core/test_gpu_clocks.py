@@ -33,7 +33,9 @@ def _fake_smi(tmp_path, body):
 
 
 def test_sampler_keeps_each_pass_to_its_window(tmp_path):
-    smi = _fake_smi(tmp_path, "echo '1980, 500, 50, 0x0'\nsleep 0.5\necho '1400, 700, 70, 0x4'\nexec sleep 30\n")
+    # the fake answers the first (one-shot) query with one line, the looping one (--loop-ms) with two, 0.5 s apart
+    smi = _fake_smi(tmp_path, 'case "$*" in *--loop-ms*) ;; *) echo "1, 1, 1, 0x0"; exit 0;; esac\n'
+                              "echo '1980, 500, 50, 0x0'\nsleep 0.5\necho '1400, 700, 70, 0x4'\nexec sleep 30\n")
     with gpu_clocks.ClockSampler(command=smi) as clocks:
         deadline = time.monotonic() + 10
         while len(clocks.stamped) < 2 and time.monotonic() < deadline:
@@ -51,5 +53,17 @@ def test_a_missing_or_failing_nvidia_smi_is_reported(tmp_path):
     assert clocks.summary().startswith("nvidia-smi unavailable")
     smi = _fake_smi(tmp_path, "echo 'No devices were found' >&2\nexit 6\n")
     with gpu_clocks.ClockSampler(command=smi) as clocks:
-        time.sleep(0.3)
+        pass
     assert clocks.summary() == "nvidia-smi: No devices were found"
+
+
+def test_the_newer_drivers_field_name_is_tried_when_the_first_is_refused(tmp_path):
+    smi = _fake_smi(tmp_path, 'case "$*" in *clocks_throttle_reasons*) '
+                              'echo \'Field "clocks_throttle_reasons.active" is not a valid field to query.\'; exit 2;; '
+                              'esac\ncase "$*" in *--loop-ms*) echo "1755, 650, 66, 0x4"; exec sleep 30;; esac\n'
+                              'echo "1, 1, 1, 0x0"\n')
+    with gpu_clocks.ClockSampler(command=smi) as clocks:
+        deadline = time.monotonic() + 10
+        while not clocks.stamped and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert clocks.summary().startswith("SM 1755 MHz") and "sw_power_cap 100%" in clocks.summary()

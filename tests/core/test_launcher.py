@@ -344,9 +344,9 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
 
 def test_narrow_tail_tiles_only_where_a_peeled_tail_exists(monkeypatch):
     """``TAIL_N`` (an option, off by default): the kernel gets it only for a loop over one document's tiles with a
-    peeled tail (one document per program, or several each peeled), a width of at least 16 tokens that divides the whole tiles, and documents that can end inside a
-    tile (padded to a length off the tile grid, or ragged). Elsewhere the plan, so the compiled kernel, is as
-    without it."""
+    peeled tail (one document per program, or several each peeled), a width of at least 16 tokens that divides the
+    whole tiles, and documents that can end inside a tile (padded to a length off the tile grid, or ragged).
+    Elsewhere the plan, so the compiled kernel, is as without it."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
     def tail(Nq, B, Lq, Ld, ragged=False, save_aux=False, **overrides):
