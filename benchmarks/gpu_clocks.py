@@ -93,7 +93,7 @@ class ClockSampler:
 
     def __enter__(self):
         # one query first, to choose the field names this driver takes (and fail early where there is none)
-        fields, err = QUERY, ""
+        err = ""
         for fields in (QUERY, QUERY_NEWER):
             try:
                 once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=10)

@@ -126,6 +126,7 @@ def _dq_program(
                         valid = in_range & (dm != 0)
                     else:
                         valid = in_range
+                    # (the weights before the second load: this order is the masked kernel's code as measured)
                     p = tl.exp2((s - lse[:, None]) * inv_tau_log2e) * g[:, None]
                     p = tl.where(valid[None, :], p, 0.0)
                     # masked tokens load as 0 (P is 0 there; 0 * NaN would leak a stored NaN); chunked features:
@@ -373,28 +374,28 @@ def _dd_dense_program(
                 q_row_off = qidx * stride_qn + tok * stride_ql
                 aux_ptr = AUX + qidx * stride_an + col * stride_ac + tok * stride_al
                 g = tl.load(G + qidx * stride_gn + col * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
-                if SMOOTH and D_CHUNKS == 1 and not RELOAD_TILE:
-                    # one load of the query rows for both products, S^T = D Q^T and P^T Q (session 19: they were
-                    # loaded twice, 32 KB more per 128 rows)
+                # the smooth max's query rows loaded once for both products, S^T = D Q^T and P^T Q (session 19:
+                # they were loaded twice, 32 KB more per 128 rows), where the features are not chunked
+                rows_once: tl.constexpr = SMOOTH and D_CHUNKS == 1 and not RELOAD_TILE
+                if rows_once:
                     q_rows = tl.load(Q + q_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_qd,
                                      mask=row_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
+                if SMOOTH:
                     lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
-                    st = tl.dot(d_tile, tl.trans(q_rows.to(d_tile.dtype)), input_precision=PRECISION)
-                    pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
-                    pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
-                else:
-                    if SMOOTH:
-                        lse = tl.load(aux_ptr, mask=row_ok, other=float("inf"))
+                    if rows_once:
+                        st = tl.dot(d_tile, tl.trans(q_rows.to(d_tile.dtype)), input_precision=PRECISION)
+                    else:
                         # S^T tile [BLOCK_N, BLOCK_M] over all the features (chunked: this program's slice below)
                         st = _similarity_tile(d_tile, D, d_row_off, in_range, Q, q_row_off, row_ok, d_cols0,
                                               stride_dd, stride_qd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, False,
                                               True, False)
-                        pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
-                        pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
-                    else:
-                        j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
-                        # 32-bit offsets into the block (n is 64-bit: twice the compare instructions)
-                        pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
+                    pt = tl.exp2((st - lse[None, :]) * inv_tau_log2e) * g[None, :]
+                    pt = tl.where(valid[:, None] & row_ok[None, :], pt, 0.0)
+                else:
+                    j = tl.load(aux_ptr, mask=row_ok, other=-1)      # -1 (no gradient) matches no token
+                    # 32-bit offsets into the block (n is 64-bit: twice the compare instructions)
+                    pt = tl.where((j.to(tl.int32) - n_lo32)[None, :] == local[:, None], g[None, :], 0.0)
+                if not rows_once:
                     q_rows = tl.load(Q + q_row_off[:, None] + cols[None, :].to(tl.int64) * stride_qd,
                                      mask=row_ok[:, None] & col_ok[None, :], other=0.0)
                 acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)

@@ -309,24 +309,30 @@ def _fold_document(
             m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
             False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
             PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS)
+    TAIL: tl.constexpr = TAIL_N if TAIL_N > 0 else BLOCK_N
     if TAIL_N > 0:
-        # (the default's tail loop reuses ``cols``: a second arange there changes the compiled code of the
-        # streaming kernels, whose one loop is this one)
         tail_cols = tl.arange(0, TAIL_N).to(cols.dtype)
-        for n0 in range(n_full, n_hi, TAIL_N):
-            m, acc, arg = _fold_tile(
-                m, acc, arg, n0, n0 + tail_cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK,
-                SCALES, m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS,
-                UPCAST, PRECISION, TAIL_N, EVEN_D, False, ROW_PARTIALS)
     else:
-        for n0 in range(n_full, n_hi, BLOCK_N):
-            m, acc, arg = _fold_tile(
-                m, acc, arg, n0, n0 + cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK,
-                SCALES, m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
-                True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS,
-                UPCAST, PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
+        # ``cols`` itself: a second arange changes the compiled code of the streaming kernels, whose one loop this is
+        tail_cols = cols
+    for n0 in range(n_full, n_hi, TAIL):
+        m, acc, arg = _fold_tile(
+            m, acc, arg, n0, n0 + tail_cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
+            m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
+            True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
+            PRECISION, TAIL, EVEN_D, False, ROW_PARTIALS)
     return m, acc, arg
+
+
+@triton.jit
+def _store_document_scores(OUT, m, acc, row_ok, q_scale, tau, q0, Nq, col, split, stride_os, stride_on, stride_oc,
+                           QUANTIZE_Q: tl.constexpr, SMOOTH: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr,
+                           ROW_PARTIALS: tl.constexpr):
+    """A program's document ``col`` done (several per program): its scores stored, and a fresh running state
+    (``m``, ``acc``) returned for the next one."""
+    _, row_val, _ = _row_values(_rows_max(m, ROW_PARTIALS, False), acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
+    _store_query_scores(OUT, row_val, row_ok, q0, Nq, col, split, stride_os, stride_on, stride_oc, QPB, TOKB)
+    return _running_max_init(QPB * TOKB, ROW_PARTIALS), tl.zeros((QPB * TOKB,), dtype=tl.float32)
 
 
 @triton.jit
@@ -640,10 +646,8 @@ def maxsim_fwd_kernel(
                     SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                     HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
                     PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS, True, TAIL_N)
-                _, row_val, _ = _row_values(_rows_max(m, ROW_PARTIALS, False), acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
-                _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc, QPB, TOKB)
-                m = _running_max_init(BLOCK_M, ROW_PARTIALS)
-                acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                m, acc = _store_document_scores(OUT, m, acc, row_ok, q_scale, tau, q0, Nq, tj, split, stride_os,
+                                                stride_on, stride_oc, QUANTIZE_Q, SMOOTH, QPB, TOKB, ROW_PARTIALS)
         else:
             tiles = tl.cdiv(Ld, BLOCK_N)
             for i in range(0, n_here * tiles):
@@ -657,12 +661,8 @@ def maxsim_fwd_kernel(
                     D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D, False, ROW_PARTIALS)
                 if n0 + BLOCK_N >= Ld:
                     # the document's last tile: its score, then a fresh state for the next one
-                    _, row_val, _ = _row_values(_rows_max(m, ROW_PARTIALS, False), acc, q_scale, tau, QUANTIZE_Q,
-                                                SMOOTH)
-                    _store_query_scores(OUT, row_val, row_ok, q0, Nq, tj, split, stride_os, stride_on, stride_oc,
-                                        QPB, TOKB)
-                    m = _running_max_init(BLOCK_M, ROW_PARTIALS)
-                    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                    m, acc = _store_document_scores(OUT, m, acc, row_ok, q_scale, tau, q0, Nq, tj, split, stride_os,
+                                                    stride_on, stride_oc, QUANTIZE_Q, SMOOTH, QPB, TOKB, ROW_PARTIALS)
     else:
         n_lo = ds * tokens_per_dsplit
         n_hi = tl.minimum(n_lo + tokens_per_dsplit, dlen)

@@ -622,6 +622,10 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     flags = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, HAS_QMASK=queries_mask is not None,
                  HAS_DMASK=documents_mask is not None, SMOOTH=smooth,
                  QPB=qpb, TOKB=tokb, BLOCK_D=block_d, D_CHUNKS=d_chunks, UPCAST=upcast, PRECISION=precision)
+    if smooth and BACKWARD_OVERRIDES.get("RELOAD_TILE"):
+        # the smooth max's gradients (dQ, dense dD) load each streamed tile twice, once per product, as before
+        # session 19 (an A/B option, to be removed once measured)
+        flags["RELOAD_TILE"] = True
     n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
     longest = Ld if offsets is None else max_len
     default_dd = default_dd_method(longest, n_entries, T)
@@ -670,10 +674,6 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dq_scalars = (*dq_sizes, *strides)
         plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=dq_warps,
                             num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
-        if smooth and BACKWARD_OVERRIDES.get("RELOAD_TILE"):
-            # the smooth max's streamed tile loaded twice, for its two products, as before session 19 (an A/B
-            # option, to be removed once measured)
-            plan.dq_meta["RELOAD_TILE"] = True
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = dd_method
     # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit parts, whole
@@ -692,8 +692,6 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             plan.dd_scalars = (Nq, Lq, d, Ld, max(candidates, 1), n_nblocks, *strides)
             plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1), G_SPLIT=g_split)
-            if smooth and BACKWARD_OVERRIDES.get("RELOAD_TILE"):
-                plan.dd_meta["RELOAD_TILE"] = True
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method == "sorted":
             sorted_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", SORTED_DD_BLOCK_N)
