@@ -261,7 +261,12 @@ TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "dense"}}, {"bwd": {"DD_METHOD": "dense
                # session 19 (untimed): the smooth max's gradients load each streamed tile once for their two products;
                # RELOAD_TILE loads it twice as before (offline sm_90, unmasked: dQ 652 against 730 instructions per
                # tile, 64 against 96 KB of shared memory; dD 747 against 837)
-               {"bwd": {"RELOAD_TILE": True}}]
+               {"bwd": {"RELOAD_TILE": True}},
+               # session 20: the arg-max forward's tiles (ncu, B64 + 7 negatives: forward 231 us of the step's ~460,
+               # ~350 TFLOP/s against ~460 when only scoring 64x1k): 3 stages, 256 rows on 8 warps, 8 warps,
+               # 128-token tiles (run 14 swept these before the 32-bit arg-max; none was faster then)
+               {"fwd": {"num_stages": 3}}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_warps": 8}},
+               {"fwd": {"BLOCK_N": 128}}]
 
 
 def training_problem(dev, Nq, B, Lq, Ld, K):

@@ -90,27 +90,35 @@ def _ragged(lengths, d, dt=BF16):
     return [torch.empty(n, d, dtype=dt) for n in lengths]
 
 
+# the 256-row tiles' choices before session 20 (kernels/launch.py, forward_config: PEELED_RUNS)
+_ONE_DOCUMENT = {"PROGRAMS_PER_SM": 0, "PEEL_EACH_DOC": False, "MAXNREG": 0, "TAIL_N": 0, "PEELED_RUNS": False}
+
 CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
     Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x2k 32x300 (streaming on 2 warps)", lambda: (_q(1, 32, 128), _docs(2000, 300, 128), None, None)),
+    # the default since session 20: a share of the documents per program (2 per SM), each peeled, 16-token tails
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
-    # the same with one running max per row (no partial row maxima: the default before session 18)
+    # one document per program (the default before session 20), and the variants measured against it
+    Case("bf16 64x1k 32x300 (256 rows) one document per program",
+         lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None), forward_overrides=_ONE_DOCUMENT),
+    # with one running max per row (no partial row maxima: the default before session 18)
     Case("bf16 64x1k 32x300 (256 rows) one max per row", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None,
-                                                                  None), forward_overrides={"ROW_PARTIALS": 1}),
-    # the peeled tail in 16- or 32-token tiles (TAIL_N; session 19, untimed): 48 columns for the last 44 tokens
+                                                                  None), forward_overrides=dict(_ONE_DOCUMENT,
+                                                                                                ROW_PARTIALS=1)),
+    # the peeled tail in 16- or 32-token tiles (TAIL_N; session 19): 48 columns for the last 44 tokens
     Case("bf16 64x1k 32x300 (256 rows) 16-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
-         forward_overrides={"TAIL_N": 16}),
+         forward_overrides=dict(_ONE_DOCUMENT, TAIL_N=16)),
     Case("bf16 64x1k 32x300 (256 rows) 32-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
-         forward_overrides={"TAIL_N": 32}),
-    # several documents per program, a loop per document with its last tile peeled (PEEL_EACH_DOC; session 19,
-    # untimed): the query tile loaded once per program
+         forward_overrides=dict(_ONE_DOCUMENT, TAIL_N=32)),
+    # several documents per program, a loop per document with its last tile peeled (PEEL_EACH_DOC; session 19):
+    # the query tile loaded once per program
     Case("bf16 64x1k 32x300 (256 rows) 4 documents, each peeled",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
-         forward_overrides={"DOCS": 4, "PEEL_EACH_DOC": True}),
+         forward_overrides=dict(_ONE_DOCUMENT, DOCS=4, PEEL_EACH_DOC=True)),
     Case("bf16 64x1k 32x300 (256 rows) 4 documents, each peeled, 128 registers",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
-         forward_overrides={"DOCS": 4, "PEEL_EACH_DOC": True, "MAXNREG": 128}),
+         forward_overrides=dict(_ONE_DOCUMENT, DOCS=4, PEEL_EACH_DOC=True, MAXNREG=128)),
     Case("bf16 1x300 1024x1024 (256 rows)", lambda: (_q(1, 1024, 128), _docs(300, 1024, 128), None, None)),
     Case("bf16 16x32 32x8192 (token split)", lambda: (_q(16, 32, 128), _docs(32, 8192, 128), None, None)),
     Case("bf16 smooth 4x8 32x4096 masks (token split)", lambda: (_q(4, 32, 128), _docs(8, 4096, 128), _mask(4, 32),

@@ -123,6 +123,13 @@ def main():
                                MAXNREG=128):
             got_each = fm.maxsim(q256, narrow_docs, None, narrow_mask)
         check("several documents, each peeled", got_each, reference.maxsim(q256, narrow_docs, None, narrow_mask), 1e-5)
+        # session 20's default for 256-row tiles of documents that end inside a tile (enough pairs for them: 8 query
+        # blocks x 150 documents): a share of the documents per program, each peeled, 16-token tails, masked too
+        q64, docs150 = torch.randn(64, 32, 128, device=dev, dtype=bf), torch.randn(150, 300, 128, device=dev, dtype=bf)
+        mask150 = torch.rand(150, 300, device=dev) > 0.3
+        check("peeled runs (default), 64x150 32x300", fm.maxsim(q64, docs150), reference.maxsim(q64, docs150), 1e-5)
+        check("peeled runs (default), masked", fm.maxsim(q64, docs150, None, mask150),
+              reference.maxsim(q64, docs150, None, mask150), 1e-5)
         # d = 96 (features padded to 128) in runs whose tiles straddle documents, whole tiles copied by TMA with
         # the padded features zero-filled (the default for such streaming rows), or by the threads; twice each, the
         # second call through the cached launch (the descriptor encoded once)

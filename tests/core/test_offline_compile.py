@@ -172,7 +172,7 @@ def test_partial_row_maxima_fold_a_tile_without_shuffles(hopper):
     with no shuffle across threads (the columns each partial covers are those one thread of the wgmma accumulator
     holds) and fewer maxima, in the same shared memory (no layout change through it); one running max per row
     shuffles in every tile."""
-    partial = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    partial = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) one document per program")
     single = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) one max per row")
     assert (partial["meta"]["ROW_PARTIALS"], single["meta"]["ROW_PARTIALS"]) == (8, 1)
     assert partial["shared_bytes"] == single["shared_bytes"]
@@ -197,7 +197,7 @@ def test_partial_maxima_over_pairs_fit_the_int8_grids_registers(hopper):
 def test_narrow_tail_tiles_take_narrow_products_in_the_tail_loop_only(hopper):
     """``TAIL_N``: the peeled tail's loop multiplies 16- or 32-token tiles (wgmma m64n16 / m64n32) while the loop of
     whole tiles keeps its 64-token products, in the same shared memory and with nothing spilled."""
-    default = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    default = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) one document per program")
     for tail in (16, 32):
         row = _by_case(hopper[1], f"bf16 64x1k 32x300 (256 rows) {tail}-token tail")
         assert row["meta"]["TAIL_N"] == tail and "TAIL_N" not in default["meta"]
@@ -210,7 +210,7 @@ def test_several_documents_each_peeled_keep_the_tile_loops_of_one(hopper):
     """``PEEL_EACH_DOC`` at 128 registers (2 programs of 8 warps per SM, as one document per program runs): the
     loops over a document's whole tiles and its last tile are those of one document per program within a few
     instructions (the same products, the last tile's per-element tests only there), nothing spilled inside them."""
-    one = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    one = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) one document per program")
     each = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows) 4 documents, each peeled, 128 registers")
     assert each["meta"]["PEEL_EACH_DOC"] and each["meta"]["MULTI_DOC"] and each["registers"] <= 128
     assert each["shared_bytes"] == one["shared_bytes"] and len(each["loops"]) == len(one["loops"]) == 2
@@ -219,6 +219,19 @@ def test_several_documents_each_peeled_keep_the_tile_loops_of_one(hopper):
         assert e["ops"].get("FSEL", 0) == o["ops"].get("FSEL", 0)
         assert not e["ops"].get("STL") and not e["ops"].get("LDL") and not e["ops"].get("LDL.LU")
         assert abs(e["instructions"] - o["instructions"]) <= 0.1 * o["instructions"]
+
+
+def test_documents_ending_inside_a_tile_default_to_peeled_runs_at_128_registers(hopper):
+    """The 256-row default where documents end inside a tile (session 20): about 2 programs per SM, each scoring a
+    share of the documents with a loop per document, its last tile in 16-token products; within 128 registers (2
+    programs of 8 warps per SM), nothing spilled in a loop."""
+    row = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
+    assert row["meta"]["PEEL_EACH_DOC"] and row["meta"]["MULTI_DOC"] and row["meta"]["TAIL_N"] == 16
+    assert row["registers"] <= 128 and row["grid"] == [2 * 132] and len(row["loops"]) == 2
+    for loop in row["loops"]:
+        assert not loop["ops"].get("STL") and not loop["ops"].get("LDL") and not loop["ops"].get("LDL.LU")
+    products = sorted(op for loop in row["loops"] for op in loop["ops"] if "GMMA" in op)
+    assert products == ["HGMMA.64x16x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], products
 
 
 def test_smooth_gradients_load_each_streamed_tile_once(hopper):

@@ -157,6 +157,14 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # 0.349)
                 cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True, ROW_PARTIALS=8)
                 tokb, qpb = tokb2, qpb2
+                if max_len % cfg["BLOCK_N"] != 0:
+                    # documents that end inside a tile (64x1k 32x300): about 2 programs per SM, each a share of the
+                    # documents, a loop per document with its last tile peeled in 16-token tiles, the query tile
+                    # loaded once per program, at 128 registers (session 20, ab_forward, 5 and 7 interleaved rounds:
+                    # 0.3065 / 0.3093 vs 0.3440 / 0.3423 ms; 32-token tail 0.3150, 4 per SM 0.3187, 3 per SM 0.3491,
+                    # registers uncapped 0.4406, the 16-token tail with one document per program 0.3490). Only
+                    # where that loop runs (_forward_plan: PEELED_RUNS)
+                    cfg.update(PROGRAMS_PER_SM=2, PEEL_EACH_DOC=True, MAXNREG=128, TAIL_N=16, PEELED_RUNS=True)
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
@@ -315,6 +323,11 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
                 and (sdmt == Ld * sdml or (document_scales is None and documents_mask is None))
                 and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 32 or (cfg["BLOCK_N"] >= 128 and tokb * qpb <= 128))
                 and bool(cfg.get("FLAT_RUN", True)))
+    if cfg.get("PEELED_RUNS") and (docs == 1 or flat_run):
+        # forward_config's several peeled documents per program, in a layout of one document per program (ragged,
+        # per-query candidates, a token split) or of one run of tokens: the one-document defaults, as measured
+        cfg = dict(cfg, PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0)
+        docs, flat_run = 1, False
     plan = _ForwardPlan()
     plan.products = products
     plan.row_out = row_out = n_ds > 1
