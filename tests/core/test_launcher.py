@@ -342,15 +342,20 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
     assert straddling["FLAT_RUN"] and straddling["STRADDLE"] and straddling["ROW_PARTIALS"] == 1
 
 
+# the 256-row tiles' choices before session 20's peeled-runs default (forward_config: PEELED_RUNS), from which the
+# options' tests start
+ONE_DOCUMENT = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False)
+
+
 def test_narrow_tail_tiles_only_where_a_peeled_tail_exists(monkeypatch):
-    """``TAIL_N`` (an option, off by default): the kernel gets it only for a loop over one document's tiles with a
-    peeled tail (one document per program, or several each peeled), a width of at least 16 tokens that divides the
-    whole tiles, and documents that can end inside a tile (padded to a length off the tile grid, or ragged).
-    Elsewhere the plan, so the compiled kernel, is as without it."""
+    """``TAIL_N`` (an option; the default only with PEEL_EACH_DOC's peeled runs, tested below): the kernel gets it
+    only for a loop over one document's tiles with a peeled tail (one document per program, or several each peeled),
+    a width of at least 16 tokens that divides the whole tiles, and documents that can end inside a tile (padded to
+    a length off the tile grid, or ragged). Elsewhere the plan, so the compiled kernel, is as without it."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
     def tail(Nq, B, Lq, Ld, ragged=False, save_aux=False, **overrides):
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(ONE_DOCUMENT, **overrides))
         q = torch.empty(Nq, Lq, 128, dtype=torch.bfloat16)
         if ragged:
             docs, offsets = torch.empty(B * Ld, 128, dtype=torch.bfloat16), torch.arange(B + 1) * Ld
@@ -358,7 +363,7 @@ def test_narrow_tail_tiles_only_where_a_peeled_tail_exists(monkeypatch):
             docs, offsets = torch.empty(B, Ld, 128, dtype=torch.bfloat16), None
         meta = launch._forward_plan(q, docs, None, None, offsets, 0, False, None, save_aux, Ld, None).meta
         return meta.get("TAIL_N", 0)
-    assert tail(64, 1000, 32, 300) == 0                                # off by default
+    assert tail(64, 1000, 32, 300) == 0                                # off without the peeled runs
     assert tail(64, 1000, 32, 300, TAIL_N=16) == 16
     assert tail(64, 1000, 32, 300, TAIL_N=32) == 32
     assert tail(64, 1000, 32, 300, save_aux=True, TAIL_N=16) == 16     # the training forward peels too
@@ -378,11 +383,11 @@ def test_several_documents_each_peeled_only_in_the_loop_over_their_tiles(monkeyp
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
     def meta(Ld, **overrides):
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(ONE_DOCUMENT, **overrides))
         return launch._forward_plan(torch.empty(64, 32, 128, dtype=torch.bfloat16),
                                     torch.empty(1000, Ld, 128, dtype=torch.bfloat16), None, None, None, 0, False,
                                     None, False, Ld, None).meta
-    assert "PEEL_EACH_DOC" not in meta(300, DOCS=4)                              # off by default
+    assert "PEEL_EACH_DOC" not in meta(300, DOCS=4)                              # off unless asked for
     each = meta(300, DOCS=4, PEEL_EACH_DOC=True)
     assert each["MULTI_DOC"] and not each["FLAT_RUN"] and each["PEEL_EACH_DOC"]
     persistent = meta(300, PROGRAMS_PER_SM=2, PEEL_EACH_DOC=True)                # 31 documents per program
@@ -391,6 +396,36 @@ def test_several_documents_each_peeled_only_in_the_loop_over_their_tiles(monkeyp
     assert "PEEL_EACH_DOC" not in meta(300, DOCS=4, PEEL_EACH_DOC=True, PEEL_TAIL=False)
     run = meta(256, DOCS=4, PEEL_EACH_DOC=True)                                  # whole tiles: one run of tokens
     assert run["FLAT_RUN"] and "PEEL_EACH_DOC" not in run
+
+
+def test_peeled_runs_are_the_default_only_where_their_loop_runs(monkeypatch):
+    """Session 20's default for 256-row tiles of documents that end inside a tile (64x1k 32x300): ~2 programs per SM,
+    each a share of the padded documents, each document peeled with 16-token tail tiles, at 128 registers. Layouts of
+    one document per program (ragged, the training forward, per-query candidates) and documents of whole tiles, or
+    padded to whole tiles past their longest (one run of tokens), keep the plan they had: no cap, no narrow tail."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+
+    def meta(B=1000, Ld=300, max_len=None, ragged=False, save_aux=False, Nq=64, candidates=0):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+        q = torch.empty(Nq, 32, 128, dtype=torch.bfloat16)
+        if ragged:
+            docs, offsets = torch.empty(B * Ld, 128, dtype=torch.bfloat16), torch.arange(B + 1) * Ld
+        else:
+            docs = torch.empty(*((Nq, candidates) if candidates else (B,)), Ld, 128, dtype=torch.bfloat16)
+            offsets = None
+        plan = launch._forward_plan(q, docs, None, None, offsets, candidates, False, None, save_aux,
+                                    max_len or Ld, None)
+        return plan.meta, plan.grid[0]
+    default, grid = meta()
+    assert default["PEEL_EACH_DOC"] and default["MULTI_DOC"] and not default["FLAT_RUN"]
+    assert (default["TAIL_N"], default["maxnreg"], grid) == (16, 128, 2 * 132)
+    for label, (m, _) in {"ragged": meta(ragged=True), "training forward": meta(save_aux=True),
+                          "per-query candidates": meta(Nq=64, candidates=16),
+                          "padded to whole tiles": meta(Ld=320, max_len=300)}.items():
+        assert not m["MULTI_DOC"] and "PEEL_EACH_DOC" not in m and "TAIL_N" not in m, label
+        assert "maxnreg" not in m, label
+    whole, _ = meta(Ld=256)                                  # whole tiles: their own rule (runs of documents)
+    assert whole["FLAT_RUN"] and "PEEL_EACH_DOC" not in whole and "TAIL_N" not in whole
 
 
 def test_only_bandwidth_bound_scoring_streams_without_a_peeled_tail(monkeypatch):
