@@ -91,7 +91,7 @@ def _ragged(lengths, d, dt=BF16):
 
 
 # the 256-row tiles' choices before session 20 (kernels/launch.py, forward_config: PEELED_RUNS)
-_ONE_DOCUMENT = {"PROGRAMS_PER_SM": 0, "PEEL_EACH_DOC": False, "MAXNREG": 0, "TAIL_N": 0, "PEELED_RUNS": False}
+_ONE_DOCUMENT = launch.ONE_DOCUMENT_PER_PROGRAM
 
 CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named

@@ -342,9 +342,8 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
     assert straddling["FLAT_RUN"] and straddling["STRADDLE"] and straddling["ROW_PARTIALS"] == 1
 
 
-# the 256-row tiles' choices before session 20's peeled-runs default (forward_config: PEELED_RUNS), from which the
-# options' tests start
-ONE_DOCUMENT = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False)
+# the options' tests start from the choices before session 20's peeled-runs default
+ONE_DOCUMENT = launch.ONE_DOCUMENT_PER_PROGRAM
 
 
 def test_narrow_tail_tiles_only_where_a_peeled_tail_exists(monkeypatch):

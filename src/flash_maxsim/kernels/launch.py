@@ -93,6 +93,11 @@ def _row_tiling(Nq, Lq, paired, rows):
     return tokb, qpb
 
 
+# the 256-row tiles' one-document-per-program choices, which forward_config's peeled runs (PEELED_RUNS) replace;
+# _forward_plan restores them where the peeled runs' loop cannot run (benchmarks and tests start from them too)
+ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False)
+
+
 def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None):
     """The forward's tiling and grid choices. ``products``: ``"int8"`` / ``"fp8"`` for 8-bit products
     (eight_bit_products), None otherwise."""
@@ -326,7 +331,8 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if cfg.get("PEELED_RUNS") and (docs == 1 or flat_run):
         # forward_config's several peeled documents per program, in a layout of one document per program (ragged,
         # per-query candidates, a token split) or of one run of tokens: the one-document defaults, as measured
-        cfg = dict(cfg, PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0)
+        # (an explicit override of one of these stays)
+        cfg = dict(cfg, **{k: v for k, v in ONE_DOCUMENT_PER_PROGRAM.items() if k not in FORWARD_OVERRIDES})
         docs, flat_run = 1, False
     plan = _ForwardPlan()
     plan.products = products
