@@ -97,8 +97,11 @@ CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
     Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x2k 32x300 (streaming on 2 warps)", lambda: (_q(1, 32, 128), _docs(2000, 300, 128), None, None)),
-    # the default since session 20: a share of the documents per program (2 per SM), each peeled, 16-token tails
+    # the default since session 20: a share of the documents per program (2 per SM), each peeled, 16-token tails;
+    # since session 21 the whole tiles copied by TMA (and as session 20 had it, copied by the threads)
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
+    Case("bf16 64x1k 32x300 (256 rows) peeled runs, copied by the threads",
+         lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None), forward_overrides=dict(TMA_DOCS=False)),
     # one document per program (the default before session 20), and the variants measured against it
     Case("bf16 64x1k 32x300 (256 rows) one document per program",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None), forward_overrides=_ONE_DOCUMENT),
@@ -179,6 +182,9 @@ CASES = [
     # training: forward saving what the backward needs, then dQ and dD
     Case("train bf16 in-batch B128 32x300", lambda: (_q(128, 32, 128), _docs(128, 300, 128), _mask(128, 32),
                                                      _mask(128, 300)), training=True),
+    # the training forward on long documents (session 21): 256-row tiles, 3 stages, 16-token tail tiles
+    Case("train bf16 ColPali B64 32x1030 (256 rows)", lambda: (_q(64, 32, 128), _docs(64, 1030, 128), None, None),
+         training=True),
     Case("train bf16 smooth ColPali B16", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None,
                                                    _mask(16, 1030)), masked="zero", smooth_tau=0.1, training=True),
     # the benchmark's smooth row (no masks): the gradients' streamed tiles loaded once (session 19)

@@ -51,6 +51,18 @@ def main():
     out = fm.maxsim(q128, d128, smooth_tau=0.1)
     (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
     check("in-batch smooth, no masks", out, reference.maxsim(q128.detach(), d128.detach(), smooth_tau=0.1), 1e-5)
+    # the training forward's default on long documents (session 21: 256-row tiles, 3 stages, 16-token tail tiles;
+    # 8 query blocks x 40 documents of 530 tokens), masked, hard (masked as zero) and smooth, with both gradients
+    q_long = torch.randn(64, 32, 128, device=dev, dtype=bf, requires_grad=True)
+    d_long = torch.randn(40, 530, 128, device=dev, dtype=bf, requires_grad=True)
+    qm_long, dm_long = torch.rand(64, 32, device=dev) > 0.2, torch.rand(40, 530, device=dev) > 0.3
+    dm_long[7] = False
+    for masked, tau in (("zero", None), ("exclude", 0.1)):
+        out = fm.maxsim(q_long, d_long, qm_long, dm_long, masked=masked, smooth_tau=tau)
+        (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+        check(f"training forward, long documents, {masked} tau={tau}", out,
+              reference.maxsim(q_long.detach(), d_long.detach(), qm_long, dm_long, masked=masked, smooth_tau=tau),
+              1e-5)
     cand = torch.randn(6, 3, 70, 96, device=dev, dtype=bf, requires_grad=True)
     out = fm.maxsim(q, cand, qm)
     out.sum().backward()

@@ -57,6 +57,10 @@ CONFIGS = [
     _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=300, Nq=1, C=512),
     _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=1030, Nq=4, C=16, **MASKS),
     _config("packed", BF16, "exclude", None, 128, Lq=31, Ld=257, Nq=3, C=200, empty_doc=True),
+    # the training forward's 256-row tiles with 16-token tail tiles (session 21: documents of 512 tokens or more,
+    # enough programs of 8 queries)
+    _config("padded", BF16, "zero", None, 128, Lq=32, Ld=1030, Nq=64, C=64, **MASKS),
+    _config("padded", FP16, "exclude", 0.1, 128, Lq=32, Ld=1030, Nq=64, C=64, **MASKS),
 ]
 
 

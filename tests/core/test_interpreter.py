@@ -256,6 +256,38 @@ def test_narrow_tail_tiles_score_like_whole_ones(name, build, overrides, monkeyp
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("masked, smooth_tau", [("zero", None), ("exclude", 0.1)],
+                         ids=["hard, masked as zero", "smooth"])
+def test_training_forward_on_long_documents_matches_the_reference(masked, smooth_tau, monkeypatch, seed):
+    """The training forward's default for long documents (session 21: 256-row tiles, 3 stages, 16-token tail tiles;
+    8 queries x 32 tokens, 530-token documents ending 18 tokens into a tile), scores and both gradients against the
+    float64 reference, masks included (one SM assumed, so that two documents make enough programs)."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 1)
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(8, 32, 32, generator=g)
+    d = torch.randn(3, 530, 32, generator=g)
+    d[1, 515:] += 3.0                                 # document 1's maxima in its tail tiles
+    qm = torch.rand(8, 32, generator=g) > 0.2
+    dm = torch.rand(3, 530, generator=g) > 0.3
+    dm[2] = False                                     # no valid token
+    q, d, qm, dm = (t.to(DEVICE).bfloat16() if t.is_floating_point() else t.to(DEVICE) for t in (q, d, qm, dm))
+    q64, d64 = q.double().requires_grad_(), d.double().requires_grad_()
+    want = reference.maxsim(q64, d64, qm, dm, masked=masked, smooth_tau=smooth_tau)
+    upstream = torch.linspace(-1, 1, want.numel(), dtype=torch.float64, device=DEVICE).view_as(want)
+    want.backward(upstream)
+    q_, d_ = q.clone().requires_grad_(), d.clone().requires_grad_()
+    with force_backend("triton"):
+        got = flash_maxsim.maxsim(q_, d_, qm, dm, masked=masked, smooth_tau=smooth_tau)
+        got.backward(upstream.float())
+    meta = next(p.meta for p in launch._FORWARD_PLANS.values() if p.meta["SAVE_AUX"])
+    assert (meta["QPB"] * meta["TOKB"], meta["num_stages"], meta["TAIL_N"]) == (256, 3, 16)
+    torch.testing.assert_close(got.detach().double(), want.detach(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(q_.grad.double(), q64.grad, rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(d_.grad.double(), d64.grad, rtol=1e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("Ld", [100, 128], ids=["partial last tile", "whole tiles"])
 @pytest.mark.parametrize("masked, smooth_tau", [("exclude", None), ("zero", None), ("exclude", 0.1)],
                          ids=["hard", "hard, masked as zero", "smooth"])
@@ -285,6 +317,8 @@ def test_several_documents_each_peeled_score_like_one_document_per_program(maske
                          dict(peeled, DOCS=docs, PEEL_EACH_DOC=True, ROW_PARTIALS=partials), True))
     # with the tail in 16-token tiles: the same within rounding (below)
     runs.append(("3 documents, 16-token tail", dict(peeled, DOCS=3, PEEL_EACH_DOC=True, TAIL_N=16), True))
+    # whole tiles copied by TMA (the documents' rows a tensor descriptor's; the interpreter runs descriptors)
+    runs.append(("3 documents, whole tiles by TMA", dict(peeled, DOCS=3, PEEL_EACH_DOC=True, TMA_DOCS=True), True))
     results = []
     for label, overrides, each_peeled in runs:
         monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
@@ -293,6 +327,7 @@ def test_several_documents_each_peeled_score_like_one_document_per_program(maske
             got = flash_maxsim.maxsim(q, d, qm, dm, masked=masked, smooth_tau=smooth_tau)
         (plan,) = launch._FORWARD_PLANS.values()
         assert (plan.meta["MULTI_DOC"], plan.meta.get("PEEL_EACH_DOC", False)) == (each_peeled, each_peeled), label
+        assert plan.meta["TMA_DOCS"] == ("TMA" in label), label
         assert torch.equal(got.isnan(), want.isnan().to(got.device)), label
         torch.testing.assert_close(got.double(), want.to(got.device), rtol=1e-5, atol=1e-3, equal_nan=True)
         results.append(got)

@@ -397,6 +397,32 @@ def test_several_documents_each_peeled_only_in_the_loop_over_their_tiles(monkeyp
     assert run["FLAT_RUN"] and "PEEL_EACH_DOC" not in run
 
 
+def test_training_forward_on_long_documents_takes_256_rows_and_narrow_tails(monkeypatch):
+    """Session 21's training-forward default: 256-row tiles on 8 warps, 3 stages, 16-token tail tiles for documents
+    of 512 tokens or more (ColPali's 1030), where enough programs remain; 300-token documents, fp32, small batches
+    and per-query candidates keep 128-row tiles on 4 warps, 2 stages."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+
+    def config(Nq, B, Ld, dtype=torch.bfloat16, paired=False):
+        cfg = launch.forward_config(Nq, B, 32, Ld, 128, paired, True, dtype)
+        return cfg["TOKB"] * cfg["QPB"], cfg["num_warps"], cfg["num_stages"], cfg["TAIL_N"]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert config(64, 64, 1030, dtype) == (256, 8, 3, 16)         # ColPali in-batch B64: 512 programs
+    assert config(256, 256, 1030) == (256, 8, 3, 16)
+    assert config(64, 512, 300) == (128, 4, 2, 0)                     # B64 + 7 negatives: measured slower
+    assert config(128, 128, 300) == (128, 4, 2, 0)
+    assert config(16, 16, 1030) == (128, 4, 2, 0)                     # 32 programs of 256 rows: too few
+    assert config(64, 64, 1030, torch.float32)[0] == 128
+    assert config(64, 64, 1030, paired=True)[0] == 32                 # one query per program
+    # and the plan peels the tail in 16-token tiles
+    q = torch.empty(64, 32, 128, dtype=torch.bfloat16)
+    docs = torch.empty(64, 1030, 128, dtype=torch.bfloat16)
+    meta = launch._forward_plan(q, docs, None, None, None, 0, False, None, True, 1030, None).meta
+    assert (meta["QPB"] * meta["TOKB"], meta["num_warps"], meta["num_stages"], meta["TAIL_N"]) == (256, 8, 3, 16)
+    assert meta["SAVE_AUX"] and not meta["MULTI_DOC"]
+
+
 def test_peeled_runs_are_the_default_only_where_their_loop_runs(monkeypatch):
     """Session 20's default for 256-row tiles of documents that end inside a tile (64x1k 32x300): ~2 programs per SM,
     each a share of the padded documents, each document peeled with 16-token tail tiles, at 128 registers. Layouts of
@@ -415,14 +441,16 @@ def test_peeled_runs_are_the_default_only_where_their_loop_runs(monkeypatch):
         plan = launch._forward_plan(q, docs, None, None, offsets, candidates, False, None, save_aux,
                                     max_len or Ld, None)
         return plan.meta, plan.grid[0]
+    monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: True)      # as on Hopper
     default, grid = meta()
     assert default["PEEL_EACH_DOC"] and default["MULTI_DOC"] and not default["FLAT_RUN"]
     assert (default["TAIL_N"], default["maxnreg"], grid) == (16, 128, 2 * 132)
+    assert default["TMA_DOCS"]                   # session 21: the whole tiles copied by TMA
     for label, (m, _) in {"ragged": meta(ragged=True), "training forward": meta(save_aux=True),
                           "per-query candidates": meta(Nq=64, candidates=16),
                           "padded to whole tiles": meta(Ld=320, max_len=300)}.items():
         assert not m["MULTI_DOC"] and "PEEL_EACH_DOC" not in m and "TAIL_N" not in m, label
-        assert "maxnreg" not in m, label
+        assert "maxnreg" not in m and not m["TMA_DOCS"], label
     whole, _ = meta(Ld=256)                                  # whole tiles: their own rule (runs of documents)
     assert whole["FLAT_RUN"] and "PEEL_EACH_DOC" not in whole and "TAIL_N" not in whole
 

@@ -271,13 +271,21 @@ def _fold_tile(
     ZERO_MASKED: tl.constexpr, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, WHOLE_TILE_MASKS: tl.constexpr = False, ROW_PARTIALS: tl.constexpr = 1,
+    D_DESC=None, tma_row=0, TMA: tl.constexpr = False,
 ):
     """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row (``m`` as
-    ``_fold_row_partials`` keeps it when ``ROW_PARTIALS`` > 1)."""
-    s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-                              q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
-                              HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D,
-                              WHOLE_TILE_MASKS)
+    ``_fold_row_partials`` keeps it when ``ROW_PARTIALS`` > 1); ``TMA``: a whole tile, rows ``tma_row + [0,
+    BLOCK_N)`` of the descriptor ``D_DESC`` (``_similarity_tile``)."""
+    if TMA:
+        s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                                  q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES,
+                                  QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                                  EVEN_D, WHOLE_TILE_MASKS, None, None, False, D_DESC, tma_row.to(tl.int32), True)
+    else:
+        s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                                  q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES,
+                                  QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
+                                  EVEN_D, WHOLE_TILE_MASKS)
     if ROW_PARTIALS > 1:
         tl.static_assert(not SMOOTH and not SAVE_AUX)
         m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, False)
@@ -294,11 +302,13 @@ def _fold_document(
     SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
     WHOLE_TILE_MASKS: tl.constexpr, ROW_PARTIALS: tl.constexpr, PEEL_TAIL: tl.constexpr, TAIL_N: tl.constexpr,
+    D_DESC=None, doc_row=0, TMA: tl.constexpr = False,
 ):
     """Folds one document's tokens ``[n_lo, n_hi)`` (``cols``: ``tl.arange(0, BLOCK_N)``, 64-bit where offsets
     times strides may pass 2^31) into the running state: with ``PEEL_TAIL`` its whole tiles first, without the
     per-element range test, then the one partial tile at the end, if any; in ``TAIL_N``-token tiles when set (a
-    divisor of BLOCK_N: a 300-token document's last 44 tokens take 48 columns of products instead of 64)."""
+    divisor of BLOCK_N: a 300-token document's last 44 tokens take 48 columns of products instead of 64). ``TMA``:
+    the whole tiles copied from the descriptor ``D_DESC``, the document's token ``n`` being its row ``doc_row + n``."""
     if PEEL_TAIL:
         n_full = n_lo + (tl.maximum(n_hi - n_lo, 0) // BLOCK_N) * BLOCK_N
     else:
@@ -308,7 +318,7 @@ def _fold_document(
             m, acc, arg, n0, n0 + cols, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES,
             m_base, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
             False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST,
-            PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS)
+            PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS, D_DESC, doc_row + n0, TMA)
     TAIL: tl.constexpr = TAIL_N if TAIL_N > 0 else BLOCK_N
     if TAIL_N > 0:
         tail_cols = tl.arange(0, TAIL_N).to(cols.dtype)
@@ -645,7 +655,8 @@ def maxsim_fwd_kernel(
                     m, acc, arg, 0, Ld, cols64, q_tile, Q, q_row_off, row_ok, D, tj * stride_dt, d_cols0, DMASK,
                     SCALES, tj * stride_dmt, q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e,
                     HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, False, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS, True, TAIL_N)
+                    PRECISION, BLOCK_N, EVEN_D, WHOLE_TILE_MASKS, ROW_PARTIALS, True, TAIL_N, D_DESC, tj * Ld,
+                    TMA_DOCS)
                 m, acc = _store_document_scores(OUT, m, acc, row_ok, q_scale, tau, q0, Nq, tj, split, stride_os,
                                                 stride_on, stride_oc, QUANTIZE_Q, SMOOTH, QPB, TOKB, ROW_PARTIALS)
         else:

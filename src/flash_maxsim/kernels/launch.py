@@ -95,7 +95,8 @@ def _row_tiling(Nq, Lq, paired, rows):
 
 # the 256-row tiles' one-document-per-program choices, which forward_config's peeled runs (PEELED_RUNS) replace;
 # _forward_plan restores them where the peeled runs' loop cannot run (benchmarks and tests start from them too)
-ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False)
+ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False,
+                                TMA_DOCS=False)
 
 
 def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None):
@@ -168,8 +169,25 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                     # loaded once per program, at 128 registers (session 20, ab_forward, 5 and 7 interleaved rounds:
                     # 0.3065 / 0.3093 vs 0.3440 / 0.3423 ms; 32-token tail 0.3150, 4 per SM 0.3187, 3 per SM 0.3491,
                     # registers uncapped 0.4406, the 16-token tail with one document per program 0.3490). Only
-                    # where that loop runs (_forward_plan: PEELED_RUNS)
-                    cfg.update(PROGRAMS_PER_SM=2, PEEL_EACH_DOC=True, MAXNREG=128, TAIL_N=16, PEELED_RUNS=True)
+                    # where that loop runs (_forward_plan: PEELED_RUNS). The whole tiles copied by TMA (session 21,
+                    # 7 interleaved rounds: 0.2905 vs 0.3066 ms, then 0.2878 against session 20's 0.3038; offline
+                    # sm_90: 177 instructions per whole tile against 236, no per-thread copy addresses)
+                    cfg.update(PROGRAMS_PER_SM=2, PEEL_EACH_DOC=True, MAXNREG=128, TAIL_N=16, PEELED_RUNS=True,
+                               TMA_DOCS=True)
+    elif ("ROWS" not in FORWARD_OVERRIDES and save_aux and dtype in (torch.bfloat16, torch.float16) and d <= 128
+          and max_len >= 512):
+        # the training forward (arg-max or log-sum-exp saved) on long documents: 256-row tiles on 8 warps, 3 stages,
+        # the peeled tail in 16-token tiles (session 21, ab_forward, two calls of 5 interleaved rounds against 128 rows
+        # on 4 warps, 2 stages: ColPali B64 32x1030 0.0884 / 0.0894 vs 0.0984 / 0.0980 ms, B256 1.186 / 1.205 vs
+        # 1.245 / 1.252, smooth max B128 0.321 / 0.321 vs 0.352 / 0.351). Not on 300-token documents (4 whole tiles:
+        # B128 0.1304 / 0.1299 vs 0.1270 / 0.1275, B64 + 7 negatives 0.2448 / 0.2439 vs 0.2428 / 0.2421); the 512
+        # between is unmeasured. Neither 128 rows on 8 warps, 64-row tiles, 256 rows on 16 warps nor 4 stages was
+        # faster on any of these (1.1-1.6x), nor two options measured and dropped: several documents per program,
+        # and each tile's products issued before the previous tile's fold (docs/perf-notes.md, session 21)
+        tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
+        if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 2 * _sm_count():
+            cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, num_stages=3, TAIL_N=16)
+            tokb, qpb = tokb2, qpb2
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
@@ -361,8 +379,13 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # [tokens, d] descriptor with a 16-byte aligned base and rows (the base's alignment is in the plan's key), int32
     # row coordinates, blocks of [BLOCK_N, BLOCK_D] (features past d arrive as zeros); the run's partial last tile
     # keeps the per-thread copies
-    tma_docs = (flat_run and bool(cfg["TMA_DOCS"]) and sdd == 1 and (sdl * documents.element_size()) % 16 == 0
-                and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1
+    # several documents per program, not one run of tokens: a loop per document with its last tile peeled
+    # (kernels/forward.py), instead of one loop over all their tiles, each tested per element; an option
+    each_peeled = docs > 1 and not flat_run and bool(cfg["PEEL_TAIL"]) and bool(cfg["PEEL_EACH_DOC"])
+    # (the loop per document copies its whole tiles by TMA as an option: documents end to end, their rows a
+    # descriptor's)
+    tma_docs = ((flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"]) and sdd == 1
+                and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1
                 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
         # the documents' tensor descriptor (TMA_DOCS): the direct launch encodes it once per documents' address
@@ -404,9 +427,6 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # of documents whose tiles straddle two documents
     plan.meta["ROW_PARTIALS"] = (int(cfg["ROW_PARTIALS"]) if not smooth and not save_aux
                                  and not plan.meta["STRADDLE"] else 1)
-    # several documents per program, not one run of tokens: a loop per document with its last tile peeled
-    # (kernels/forward.py), instead of one loop over all their tiles, each tested per element; an option
-    each_peeled = docs > 1 and not flat_run and bool(cfg["PEEL_TAIL"]) and bool(cfg["PEEL_EACH_DOC"])
     if each_peeled:
         plan.meta["PEEL_EACH_DOC"] = True
     # the peeled tail in narrower tiles (kernels/forward.py, _fold_document), where a loop per document peels it:
