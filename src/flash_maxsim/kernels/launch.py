@@ -382,11 +382,11 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # several documents per program, not one run of tokens: a loop per document with its last tile peeled
     # (kernels/forward.py), instead of one loop over all their tiles, each tested per element; an option
     each_peeled = docs > 1 and not flat_run and bool(cfg["PEEL_TAIL"]) and bool(cfg["PEEL_EACH_DOC"])
-    # (the loop per document copies its whole tiles by TMA as an option: documents end to end, their rows a
-    # descriptor's)
+    # the loop per document copies its whole tiles by TMA too (the peeled runs' default since session 21), where the
+    # documents lie end to end, each one's tokens rows of the descriptor
     tma_docs = ((flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"]) and sdd == 1
-                and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0 and cfg["D_CHUNKS"] == 1
-                and T * Ld < 2**31 and _tensor_descriptors(queries))
+                and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0
+                and cfg["D_CHUNKS"] == 1 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
         # the documents' tensor descriptor (TMA_DOCS): the direct launch encodes it once per documents' address
         _launcher.TensorDesc(1, (T * Ld, d), (sdl, 1), (cfg["BLOCK_N"], cfg["BLOCK_D"])) if tma_docs else None,
