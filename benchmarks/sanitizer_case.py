@@ -136,7 +136,8 @@ def main():
             got_each = fm.maxsim(q256, narrow_docs, None, narrow_mask)
         check("several documents, each peeled", got_each, reference.maxsim(q256, narrow_docs, None, narrow_mask), 1e-5)
         # session 20's default for 256-row tiles of documents that end inside a tile (enough pairs for them: 8 query
-        # blocks x 150 documents): a share of the documents per program, each peeled, 16-token tails, masked too
+        # blocks x 150 documents): a share of the documents per program, each peeled, 16-token tails, masked too;
+        # since session 21 their whole tiles copied by TMA
         q64, docs150 = torch.randn(64, 32, 128, device=dev, dtype=bf), torch.randn(150, 300, 128, device=dev, dtype=bf)
         mask150 = torch.rand(150, 300, device=dev) > 0.3
         check("peeled runs (default), 64x150 32x300", fm.maxsim(q64, docs150), reference.maxsim(q64, docs150), 1e-5)

@@ -51,7 +51,8 @@ def _similarity_tile(
     if D_CHUNKS == 1:
         d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
         if TMA:
-            d_tile = D_DESC.load([tma_row, 0])
+            # int32 coordinates (a no-op where the caller passes them so)
+            d_tile = D_DESC.load([tma_row.to(tl.int32), 0])
         elif PARTIAL or WHOLE_TILE_MASKS:
             d_tile = tl.load(d_ptrs, mask=col_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
         elif EVEN_D:
@@ -276,16 +277,10 @@ def _fold_tile(
     """Folds the document tokens ``n = n0 + [0, BLOCK_N)`` into the running state of every row (``m`` as
     ``_fold_row_partials`` keeps it when ``ROW_PARTIALS`` > 1); ``TMA``: a whole tile, rows ``tma_row + [0,
     BLOCK_N)`` of the descriptor ``D_DESC`` (``_similarity_tile``)."""
-    if TMA:
-        s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-                                  q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES,
-                                  QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                                  EVEN_D, WHOLE_TILE_MASKS, None, None, False, D_DESC, tma_row.to(tl.int32), True)
-    else:
-        s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
-                                  q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES,
-                                  QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                                  EVEN_D, WHOLE_TILE_MASKS)
+    s, _ = _tile_similarities(n, n_hi, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
+                              q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
+                              HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D,
+                              WHOLE_TILE_MASKS, None, None, False, D_DESC, tma_row, TMA)
     if ROW_PARTIALS > 1:
         tl.static_assert(not SMOOTH and not SAVE_AUX)
         m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, False)

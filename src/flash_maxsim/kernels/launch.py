@@ -93,6 +93,20 @@ def _row_tiling(Nq, Lq, paired, rows):
     return tokb, qpb
 
 
+def _programs(Nq, C, Lq, paired, tokb, qpb):
+    """Programs of one document slice each: (query block, column, query-token split) triples."""
+    return (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
+
+
+def _tiling_of_256_rows(Nq, C, Lq, paired, programs_per_sm):
+    """(TOKB, QPB) of 256-row tiles where the queries fill all 256 rows and leave at least ``programs_per_sm``
+    programs per SM; None otherwise."""
+    tokb, qpb = _row_tiling(Nq, Lq, paired, 256)
+    if tokb * qpb == 256 and _programs(Nq, C, Lq, paired, tokb, qpb) >= programs_per_sm * _sm_count():
+        return tokb, qpb
+    return None
+
+
 # the 256-row tiles' one-document-per-program choices, which forward_config's peeled runs (PEELED_RUNS) replace;
 # _forward_plan restores them where the peeled runs' loop cannot run (benchmarks and tests start from them too)
 ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=0, TAIL_N=0, PEELED_RUNS=False,
@@ -125,8 +139,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
     elif "ROWS" not in FORWARD_OVERRIDES and not save_aux and d <= 256:
         # compute-bound scoring (many query-token rows, many documents): 256-row tiles on 8 warps read each
         # document tile once for twice the rows (run 6: 1x10k 1024x1024 4.75 vs 5.29 ms, 64x1k 0.353 vs 0.381)
-        tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
-        if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 8 * _sm_count():
+        rows256 = _tiling_of_256_rows(Nq, C, Lq, paired, 8)
+        if rows256 is not None:
             if eight_bit:
                 # integer products: 128 rows x 128-token tiles on 4 warps instead (session 5, 1x10k 1024x1024:
                 # 5.89 vs 7.95 ms with 256 rows x 64 tokens), several documents per program so that each program
@@ -161,8 +175,8 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 # wgmma accumulator's layout; session 18, device call 2, ab_forward against without: 1x1k 512x1024
                 # 0.211 vs 0.223 ms, 1024x1024 0.417 vs 0.433, 1x10k 1024x1024 4.09 vs 4.22, 64x1k 32x300 0.346 vs
                 # 0.349)
-                cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, WHOLE_TILE_MASKS=True, ROW_PARTIALS=8)
-                tokb, qpb = tokb2, qpb2
+                tokb, qpb = rows256
+                cfg.update(TOKB=tokb, QPB=qpb, num_warps=8, WHOLE_TILE_MASKS=True, ROW_PARTIALS=8)
                 if max_len % cfg["BLOCK_N"] != 0:
                     # documents that end inside a tile (64x1k 32x300): about 2 programs per SM, each a share of the
                     # documents, a loop per document with its last tile peeled in 16-token tiles, the query tile
@@ -184,12 +198,12 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         # between is unmeasured. Neither 128 rows on 8 warps, 64-row tiles, 256 rows on 16 warps nor 4 stages was
         # faster on any of these (1.1-1.6x), nor two options measured and dropped: several documents per program,
         # and each tile's products issued before the previous tile's fold (docs/perf-notes.md, session 21)
-        tokb2, qpb2 = _row_tiling(Nq, Lq, paired, 256)
-        if tokb2 * qpb2 == 256 and (1 if paired else _cdiv(Nq, qpb2)) * C * _cdiv(Lq, tokb2) >= 2 * _sm_count():
-            cfg.update(TOKB=tokb2, QPB=qpb2, num_warps=8, num_stages=3, TAIL_N=16)
-            tokb, qpb = tokb2, qpb2
+        rows256 = _tiling_of_256_rows(Nq, C, Lq, paired, 2)
+        if rows256 is not None:
+            tokb, qpb = rows256
+            cfg.update(TOKB=tokb, QPB=qpb, num_warps=8, num_stages=3, TAIL_N=16)
     # few (query block, document) pairs with long documents: split the document's tokens over programs
-    programs = (1 if paired else _cdiv(Nq, qpb)) * C * _cdiv(Lq, tokb)
+    programs = _programs(Nq, C, Lq, paired, tokb, qpb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
         # about 2 programs per SM, rounded down, at least 2 slices (session 10, run 22: 16x32 32x8192, 128 pairs,
         # 2 slices 0.066 ms vs 3 (rounded up) 0.072)
