@@ -186,7 +186,20 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"OVERLAP_TILES": True}, {"num_warps": 8, "OVERLAP_TILES": True},
             {"num_warps": 8, "TAIL_N": 16, "OVERLAP_TILES": True},
             {"ROWS": 256, "num_warps": 8, "TAIL_N": 16, "num_stages": 3, "OVERLAP_TILES": True},
-            {"ROWS": 256, "num_warps": 8, "TAIL_N": 16, "OVERLAP_TILES": True}]
+            {"ROWS": 256, "num_warps": 8, "TAIL_N": 16, "OVERLAP_TILES": True},
+            # 112-115 (session 22, timed on aca5130's defaults; 113 is the default since): the training forward's
+            # arg-max in 8 partial (max, arg-max) pairs per row (ROW_PARTIALS with the arg-max; offline sm_90, B64 + 7
+            # negatives: 340 instructions per whole tile against 396, no shuffle per tile), with whole tiles copied by
+            # TMA (TMA_ONE_DOC), TMA alone, and the pairs on 3 stages
+            {"ROW_PARTIALS": 8}, {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True}, {"TMA_ONE_DOC": True},
+            {"ROW_PARTIALS": 8, "num_stages": 3},
+            # 116-120: the pairs with TMA copies (112-115's fastest on the hard-max rows) on 3 stages, on 2, with the
+            # 16-token tail, on 128 rows of 8 warps, on 256 rows of 8 warps with the 16-token tail
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "num_stages": 3},
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "num_stages": 2},
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "TAIL_N": 16},
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "num_warps": 8},
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "ROWS": 256, "num_warps": 8, "TAIL_N": 16}]
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)
 # variants whose kernel option was dropped after they were timed (index -> what it was): the plan would ignore the

@@ -92,6 +92,8 @@ def _ragged(lengths, d, dt=BF16):
 
 # the 256-row tiles' choices before session 20 (kernels/launch.py, forward_config: PEELED_RUNS)
 _ONE_DOCUMENT = launch.ONE_DOCUMENT_PER_PROGRAM
+# the training forward's hard max before session 22's default
+_ONE_MAX_PER_ROW = dict(ROW_PARTIALS=1, TMA_ONE_DOC=False)
 
 CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
@@ -185,6 +187,19 @@ CASES = [
     # the training forward on long documents (session 21): 256-row tiles, 3 stages, 16-token tail tiles
     Case("train bf16 ColPali B64 32x1030 (256 rows)", lambda: (_q(64, 32, 128), _docs(64, 1030, 128), None, None),
          training=True),
+    # the training forward's hard max as it was before session 22 (one max and arg-max per row, the threads' copies),
+    # beside the default (partial (max, arg-max) pairs per row, whole tiles copied by TMA)
+    Case("train bf16 in-batch B128 32x300, one max per row", lambda: (_q(128, 32, 128), _docs(128, 300, 128),
+                                                                      _mask(128, 32), _mask(128, 300)),
+         training=True, forward_overrides=_ONE_MAX_PER_ROW),
+    Case("train bf16 ColPali B64 32x1030 (256 rows), one max per row",
+         lambda: (_q(64, 32, 128), _docs(64, 1030, 128), None, None), training=True,
+         forward_overrides=_ONE_MAX_PER_ROW),
+    Case("train bf16 B64 + 7 negatives 32x300", lambda: (_q(64, 32, 128), _docs(512, 300, 128), None, None),
+         training=True),
+    Case("train bf16 B64 + 7 negatives 32x300, one max per row",
+         lambda: (_q(64, 32, 128), _docs(512, 300, 128), None, None), training=True,
+         forward_overrides=_ONE_MAX_PER_ROW),
     Case("train bf16 smooth ColPali B16", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None,
                                                    _mask(16, 1030)), masked="zero", smooth_tau=0.1, training=True),
     # the benchmark's smooth row (no masks): the gradients' streamed tiles loaded once (session 19)

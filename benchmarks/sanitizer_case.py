@@ -51,6 +51,11 @@ def main():
     out = fm.maxsim(q128, d128, smooth_tau=0.1)
     (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
     check("in-batch smooth, no masks", out, reference.maxsim(q128.detach(), d128.detach(), smooth_tau=0.1), 1e-5)
+    # the training forward's hard max (session 22: partial (max, arg-max) pairs, whole tiles copied by TMA; the
+    # masked in-batch cases above take them too, at d=96)
+    out = fm.maxsim(q128, d128)
+    (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+    check("in-batch hard, no masks", out, reference.maxsim(q128.detach(), d128.detach()), 1e-5)
     # the training forward's default on long documents (session 21: 256-row tiles, 3 stages, 16-token tail tiles;
     # 8 query blocks x 40 documents of 530 tokens), masked, hard (masked as zero) and smooth, with both gradients
     q_long = torch.randn(64, 32, 128, device=dev, dtype=bf, requires_grad=True)

@@ -138,6 +138,41 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
 
 
 
+@pytest.mark.parametrize("Nq, B, Ld, ties", [(64, 512, 300, False), (64, 512, 300, True), (16, 64, 1030, True)],
+                         ids=["B64+7neg-random", "B64+7neg-ties", "ColPali-ties"])
+def test_training_forward_arg_max_pairs_match_one_max_per_row(Nq, B, Ld, ties, seed, monkeypatch):
+    """The training forward's hard-max default (session 22: partial (max, arg-max) pairs per row, whole tiles
+    copied by TMA on Hopper) at training shapes: scores and saved arg-max bit for bit those of one max per row with
+    the threads' copies (the kernel before), on random inputs and on small integers (ties everywhere), masks
+    included."""
+    from flash_maxsim import _layout
+    from flash_maxsim.kernels import launch
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})          # the plans of this test's calls only
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    if ties:
+        q = torch.randint(-2, 3, (Nq, 32, 128), generator=g, device=DEVICE).to(BF16)
+        d = torch.randint(-2, 3, (B, Ld, 128), generator=g, device=DEVICE).to(BF16)
+    else:
+        q = torch.randn(Nq, 32, 128, generator=g, device=DEVICE).to(BF16)
+        d = torch.randn(B, Ld, 128, generator=g, device=DEVICE).to(BF16)
+    qm = torch.rand(Nq, 32, generator=g, device=DEVICE) > 0.1
+    dm = torch.rand(B, Ld, generator=g, device=DEVICE) > 0.2
+    dm[3] = False
+    p = _layout.canonicalize(q, d, qm, dm, masked="exclude", smooth_tau=None)
+    results = []
+    for overrides in ({}, {"ROW_PARTIALS": 1, "TMA_ONE_DOC": False}):
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        results.append(launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
+                                      p.candidates, False, None, True, p.max_length, p.document_scales))
+        meta = next(reversed(launch._FORWARD_PLANS.values())).meta
+        want = (8, torch.cuda.get_device_capability() >= (9, 0)) if not overrides else (1, False)
+        assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"]) == want
+    (scores, arg), (scores1, arg1) = results
+    assert torch.equal(scores, scores1)
+    assert torch.equal(arg, arg1)
+    assert (arg[:, 3] == -1).all() and (arg >= 0).float().mean() > 0.8
+
+
 @pytest.mark.parametrize("d, Nq, Ld", [(96, 1, 130), (128, 4, 128)], ids=["d96-straddling", "d128-whole-tiles"])
 def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatch):
     """Runs of documents copied by TMA: the direct launch encodes the documents' descriptor once per address

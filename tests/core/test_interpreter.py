@@ -283,9 +283,61 @@ def test_training_forward_on_long_documents_matches_the_reference(masked, smooth
         got.backward(upstream.float())
     meta = next(p.meta for p in launch._FORWARD_PLANS.values() if p.meta["SAVE_AUX"])
     assert (meta["QPB"] * meta["TOKB"], meta["num_stages"], meta["TAIL_N"]) == (256, 3, 16)
+    # session 22: the hard max's arg-max in partial pairs, whole tiles copied by TMA (the interpreter runs both)
+    assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"]) == ((1, False) if smooth_tau else (8, True))
     torch.testing.assert_close(got.detach().double(), want.detach(), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(q_.grad.double(), q64.grad, rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(d_.grad.double(), d64.grad, rtol=1e-2, atol=2e-2)
+
+
+def _first_arg_max(q, d, qm, dm, masked):
+    """The first arg-max document token of every (query, document, query token) in float64 (-1: no gradient: a
+    masked query token, a document with no valid token, or, masked as zero, a maximum on a masked token)."""
+    sim = torch.einsum("qid,tjd->qtij", q.double(), d.double())
+    valid = dm[None, :, None, :].expand_as(sim)
+    sim = sim.masked_fill(~valid, 0.0 if masked == "zero" else float("-inf"))
+    best, arg = sim.max(-1, keepdim=True)
+    first = (sim == best).to(torch.int8).argmax(-1)           # argmax of a 0/1 tensor: its first 1
+    assert torch.equal(first, arg.squeeze(-1))
+    keep = qm[:, None, :] & (best.squeeze(-1) > float("-inf"))
+    if masked == "zero":
+        keep &= dm[torch.arange(d.shape[0])[None, :, None], first]
+    return torch.where(keep, first, -1)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["TMA copies", "threads' copies"])
+@pytest.mark.parametrize("Ld, masked", [(300, "exclude"), (300, "zero"), (530, "exclude")],
+                         ids=["300 tokens", "300 tokens, masked as zero", "530 tokens, 16-token tails"])
+def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, masked, tma, monkeypatch, seed):
+    """The training forward's default for the hard max (session 22: 8 partial (max, arg-max) pairs per row,
+    ``_fold_arg_partials``), on inputs of small integers (exact products, ties everywhere: within a tile, across
+    the partials and across tiles): the saved arg-max is the first maximal token, as PyTorch's max picks it, and
+    the scores are the float64 reference's, exactly. Documents of 300 tokens (64-token tiles, a partial last
+    one) and of 530 (256-row tiles, 16-token tails), masks, a document with no valid token; with TMA copies and
+    without."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 1)
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    if not tma:
+        monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: False)
+    from flash_maxsim import _layout
+    g = torch.Generator().manual_seed(seed)
+    nq = 8 if Ld == 530 else 4                       # 256 or 128 query-token rows
+    q = torch.randint(-2, 3, (nq, 32, 32), generator=g).to(torch.bfloat16)
+    d = torch.randint(-2, 3, (3, Ld, 32), generator=g).to(torch.bfloat16)
+    qm = torch.rand(nq, 32, generator=g) > 0.2
+    dm = torch.rand(3, Ld, generator=g) > 0.3
+    dm[2] = False                                    # no valid token
+    want_arg = _first_arg_max(q, d, qm, dm, masked)
+    want = reference.maxsim(q.double(), d.double(), qm, dm, masked=masked)
+    q, d, qm, dm = (t.to(DEVICE) for t in (q, d, qm, dm))
+    p = _layout.canonicalize(q, d, qm, dm, masked=masked, smooth_tau=None)
+    scores, aux = launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
+                                 masked == "zero", None, True, p.max_length, p.document_scales)
+    meta = next(iter(launch._FORWARD_PLANS.values())).meta
+    assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"], meta.get("TAIL_N")) == (8, tma, 16 if Ld == 530 else None)
+    assert torch.equal(scores.cpu().double(), want)
+    assert torch.equal(aux.cpu().long(), want_arg)
 
 
 @pytest.mark.parametrize("Ld", [100, 128], ids=["partial last tile", "whole tiles"])

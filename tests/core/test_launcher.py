@@ -313,12 +313,13 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
     where session 18 measured them faster: 256-row tiles (compute-bound scoring), 128-row programs of a token
     split, fp8 products on the compute-bound grid. Not int8's bit-cast compute-bound grid (a spill at its register
     cap: slower), not 32-row or 128-row bandwidth-bound tiles (mma.sync over several warps needs a layout change
-    through shared memory: 1x1k 32x300 23% slower), not the training forward (arg-max saved), nor the smooth max
-    or runs whose tiles straddle two documents (the plan turns them off there)."""
+    through shared memory: 1x1k 32x300 23% slower), nor the smooth max or runs whose tiles straddle two documents
+    (the plan turns them off there). The training forward's hard max keeps partial (max, arg-max) pairs instead
+    (session 22, ``_fold_arg_partials``) on tiles of 128 rows or more, 16-bit inputs, d <= 128; not its smooth max."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 132)
 
-    def partials(Nq, B, Lq, Ld, save_aux=False, products=None):
-        return launch.forward_config(Nq, B, Lq, Ld, 128, False, save_aux, torch.bfloat16, products)["ROW_PARTIALS"]
+    def partials(Nq, B, Lq, Ld, save_aux=False, products=None, smooth=False, dtype=torch.bfloat16, d=128):
+        return launch.forward_config(Nq, B, Lq, Ld, d, False, save_aux, dtype, products, smooth)["ROW_PARTIALS"]
     for shape in [(1, 1000, 512, 1024), (1, 1000, 1024, 1024), (1, 10000, 1024, 1024), (64, 1000, 32, 300),
                   (16, 32, 32, 8192)]:
         assert partials(*shape) == 8, shape
@@ -328,7 +329,13 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
                   (1, 1000, 128, 1024), (1, 32, 32, 8192)]:
         assert partials(*shape) == 1, shape
         assert partials(*shape, products="fp8") == 1, shape
-    assert partials(64, 1000, 32, 300, save_aux=True) == 1
+    for shape in [(64, 1000, 32, 300), (64, 512, 32, 300), (64, 64, 32, 1030), (256, 256, 32, 1030)]:
+        assert partials(*shape, save_aux=True) == 8, shape
+        assert partials(*shape, save_aux=True, dtype=torch.float16) == 8, shape
+        assert partials(*shape, save_aux=True, smooth=True) == 1, shape
+        assert partials(*shape, save_aux=True, dtype=torch.float32) == 1, shape
+        assert partials(*shape, save_aux=True, d=384) == 1, shape
+    assert partials(1, 8, 32, 300, save_aux=True) == 1          # 32-row tiles
 
     def plan(Lq, Ld, smooth_tau=None, save_aux=False):
         return launch._forward_plan(torch.empty(1, Lq, 128, dtype=torch.bfloat16),
@@ -336,7 +343,8 @@ def test_partial_row_maxima_where_measured_faster(monkeypatch):
                                     smooth_tau, save_aux, Ld, None).meta
     assert plan(1024, 1024)["ROW_PARTIALS"] == 8 and plan(1024, 1024)["FLAT_RUN"]
     assert plan(1024, 1024, smooth_tau=0.1)["ROW_PARTIALS"] == 1
-    assert plan(1024, 1024, save_aux=True)["ROW_PARTIALS"] == 1
+    assert plan(1024, 1024, save_aux=True)["ROW_PARTIALS"] == 8
+    assert plan(1024, 1024, smooth_tau=0.1, save_aux=True)["ROW_PARTIALS"] == 1
     monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"ROW_PARTIALS": 8, "PROGRAMS_PER_SM": 8})
     straddling = plan(32, 300)          # 32-row runs of documents, as the int8 streaming grid's
     assert straddling["FLAT_RUN"] and straddling["STRADDLE"] and straddling["ROW_PARTIALS"] == 1
@@ -423,6 +431,37 @@ def test_training_forward_on_long_documents_takes_256_rows_and_narrow_tails(monk
     assert meta["SAVE_AUX"] and not meta["MULTI_DOC"]
 
 
+def test_training_forward_hard_max_takes_arg_max_pairs_and_tma_copies(monkeypatch):
+    """Session 22's training-forward default (hard max, arg-max saved): 8 partial (max, arg-max) pairs per row and
+    the whole document tiles copied by TMA, one padded document per program. Not for the smooth max, ragged
+    documents (no [tokens, d] rows of one stride), documents whose rows are not contiguous, or without TMA."""
+    monkeypatch.setattr(launch, "_sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+
+    def meta(smooth_tau=None, ragged=False, Ld=300, transposed=False):
+        q = torch.empty(64, 32, 128, dtype=torch.bfloat16)
+        if ragged:
+            docs, offsets = torch.empty(512 * Ld, 128, dtype=torch.bfloat16), torch.arange(513) * Ld
+        else:
+            docs, offsets = torch.empty(512, Ld, 128, dtype=torch.bfloat16), None
+            if transposed:                # documents [B, Ld, d] whose token rows are strided by B * d
+                docs = torch.empty(Ld, 512, 128, dtype=torch.bfloat16).transpose(0, 1)
+        return launch._forward_plan(q, docs, None, None, offsets, 0, False, smooth_tau, True, Ld, None).meta
+    monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: True)      # as on Hopper
+    for Ld in (300, 1030):
+        hard = meta(Ld=Ld)
+        assert hard["SAVE_AUX"] and not hard["MULTI_DOC"] and hard["ROW_PARTIALS"] == 8 and hard["TMA_DOCS"], Ld
+        smooth = meta(smooth_tau=0.1, Ld=Ld)
+        assert smooth["ROW_PARTIALS"] == 1 and not smooth["TMA_DOCS"], Ld
+    ragged = meta(ragged=True)
+    assert ragged["ROW_PARTIALS"] == 8 and not ragged["TMA_DOCS"]
+    transposed = meta(transposed=True)
+    assert transposed["ROW_PARTIALS"] == 8 and not transposed["TMA_DOCS"]
+    monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: False)     # e.g. sm_80
+    no_tma = meta()
+    assert no_tma["ROW_PARTIALS"] == 8 and not no_tma["TMA_DOCS"]
+
+
 def test_peeled_runs_are_the_default_only_where_their_loop_runs(monkeypatch):
     """Session 20's default for 256-row tiles of documents that end inside a tile (64x1k 32x300): ~2 programs per SM,
     each a share of the padded documents, each document peeled with 16-token tail tiles, at 128 registers. Layouts of
@@ -450,7 +489,8 @@ def test_peeled_runs_are_the_default_only_where_their_loop_runs(monkeypatch):
                           "per-query candidates": meta(Nq=64, candidates=16),
                           "padded to whole tiles": meta(Ld=320, max_len=300)}.items():
         assert not m["MULTI_DOC"] and "PEEL_EACH_DOC" not in m and "TAIL_N" not in m, label
-        assert "maxnreg" not in m and not m["TMA_DOCS"], label
+        # the training forward copies its whole tiles by TMA by its own rule (session 22)
+        assert "maxnreg" not in m and m["TMA_DOCS"] == (label == "training forward"), label
     whole, _ = meta(Ld=256)                                  # whole tiles: their own rule (runs of documents)
     assert whole["FLAT_RUN"] and "PEEL_EACH_DOC" not in whole and "TAIL_N" not in whole
 

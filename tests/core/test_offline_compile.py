@@ -241,17 +241,50 @@ def test_documents_ending_inside_a_tile_default_to_peeled_runs_at_128_registers(
     assert any("LDGSTS" in op for op in tail["ops"])
 
 
+def _tile_loops(row):
+    """The tile loops of a compiled kernel (a TMA copy's barrier wait is a loop of its own, of a few instructions)."""
+    return [loop for loop in row["loops"] if loop["instructions"] > 16]
+
+
 def test_training_forward_on_long_documents_takes_256_rows_without_spills(hopper):
     """The training forward's default on ColPali-length documents (session 21): 256-row tiles on 8 warps, 3 stages,
-    the arg-max kept per row, the last tile in 16-token products, nothing spilled in either loop."""
-    row = _by_case(hopper[1], "train bf16 ColPali B64 32x1030 (256 rows)")
-    assert row["meta"]["SAVE_AUX"] and row["meta"]["QPB"] * row["meta"]["TOKB"] == 256
-    assert (row["num_warps"], row["num_stages"], row["meta"]["TAIL_N"]) == (8, 3, 16)
-    assert row["local_bytes"] == 0 and len(row["loops"]) == 2
-    for loop in row["loops"]:
-        assert not loop["ops"].get("STL") and not loop["ops"].get("LDL") and not loop["ops"].get("LDL.LU")
-    products = sorted(op for loop in row["loops"] for op in loop["ops"] if "GMMA" in op)
-    assert products == ["HGMMA.64x16x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], products
+    the last tile in 16-token products, nothing spilled in either loop."""
+    for case in ("train bf16 ColPali B64 32x1030 (256 rows)", "train bf16 ColPali B64 32x1030 (256 rows), one max "
+                 "per row"):
+        row = _by_case(hopper[1], case)
+        assert row["meta"]["SAVE_AUX"] and row["meta"]["QPB"] * row["meta"]["TOKB"] == 256
+        assert (row["num_warps"], row["num_stages"], row["meta"]["TAIL_N"]) == (8, 3, 16)
+        assert row["local_bytes"] == 0 and len(_tile_loops(row)) == 2
+        for loop in row["loops"]:
+            assert not loop["ops"].get("STL") and not loop["ops"].get("LDL") and not loop["ops"].get("LDL.LU")
+        products = sorted(op for loop in row["loops"] for op in loop["ops"] if "GMMA" in op)
+        assert products == ["HGMMA.64x16x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], products
+
+
+@pytest.mark.parametrize("case", ["train bf16 in-batch B128 32x300", "train bf16 B64 + 7 negatives 32x300",
+                                  "train bf16 ColPali B64 32x1030 (256 rows)"])
+def test_training_forward_arg_max_pairs_fold_tiles_without_shuffles(hopper, case):
+    """The training forward's hard max (session 22): 8 partial (max, arg-max) pairs per row fold each tile with a
+    compare, a max and a select per similarity and no shuffle or integer min-reduction, in fewer instructions per
+    tile than one max and arg-max per row (offline sm_90, B64 + 7 negatives: 340 against 396), on no more shared
+    memory (the splits move no data), nothing spilled; Hopper copies the whole tiles by TMA, the tail by the
+    threads."""
+    pairs = _by_case(hopper[1], case)
+    single = _by_case(hopper[1], case + ", one max per row")
+    assert (pairs["meta"]["ROW_PARTIALS"], single["meta"]["ROW_PARTIALS"]) == (8, 1)
+    assert pairs["meta"]["TMA_DOCS"] and not single["meta"]["TMA_DOCS"]
+    # TMA's barrier takes a few bytes
+    assert pairs["shared_bytes"] <= single["shared_bytes"] + 64 and pairs["local_bytes"] == 0
+    loops, single_loops = _tile_loops(pairs), _tile_loops(single)
+    assert len(loops) == len(single_loops) == 2
+    for p, s in zip(loops, single_loops):        # longest first: the partial tile's loop, then the whole tiles'
+        assert p["ops"].get("SHFL.BFLY", 0) == 0 < s["ops"].get("SHFL.BFLY", 0), (p["ops"], s["ops"])
+        assert not any(op.startswith("VIMNMX") for op in p["ops"]), p["ops"]
+        assert p["instructions"] < s["instructions"]
+        assert not p["ops"].get("STL") and not p["ops"].get("LDL") and not p["ops"].get("LDL.LU")
+    whole = next(loop for loop in loops if "HGMMA.64x64x16.F32.BF16" in loop["ops"] and not any(
+        "LDGSTS" in op for op in loop["ops"]))
+    assert any(op.startswith("UTMALDG") for op in whole["ops"])
 
 
 def test_smooth_gradients_load_each_streamed_tile_once(hopper):

@@ -244,6 +244,69 @@ def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, 
 
 
 @triton.jit
+def _arg_step(m, arg, v, idx):
+    """One column of each partial folded into its running max ``m`` (NaN propagating) and first arg-max ``arg``:
+    strict '>' on columns taken in increasing token order keeps the earliest on ties; a NaN freezes ``arg``."""
+    arg = tl.where(v > m, idx, arg)
+    m = _max_propagating_nan(m, v)
+    return m, arg
+
+
+@triton.jit
+def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
+    """The hard max with its first arg-max, in 8 partial (max, arg-max) pairs per row (``m``, ``arg``: [rows, 8]):
+    partial w holds the max over the columns j = 8g + w of the tiles folded so far and the first token holding it.
+    The tile's columns are folded group by group (g = 0, 1, ...: increasing tokens), each a compare, a max and a
+    select per similarity, with no reduction and no shuffle per tile (the tile max, its compare and the index
+    min-reduction they replace: session 22); ``_rows_max_arg`` joins the partials once per document. Within a thread
+    of the tensor cores' accumulator layout the groups of its columns are registers (as for ``_fold_row_partials``),
+    so the permute and splits below move no data. ``BLOCK_N`` of 16, 32 or 64 tokens."""
+    G: tl.constexpr = BLOCK_N // 8
+    tl.static_assert(G == 2 or G == 4 or G == 8)
+    # (rows, G, 8) -> (rows, 8, G): each partial's groups on the last axis, split off one bit at a time
+    parts = tl.permute(tl.reshape(s, (s.shape[0], G, 8)), (0, 2, 1))
+    idx = (tl.arange(0, 8)[None, :] + n0).to(tl.int32)
+    if G == 2:
+        v0, v1 = tl.split(parts)
+        m, arg = _arg_step(m, arg, v0, idx)
+        m, arg = _arg_step(m, arg, v1, idx + 8)
+    elif G == 4:
+        lo, hi = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2)))     # g = 2 * b1 + b0: lo holds b0 = 0
+        v0, v2 = tl.split(lo)
+        v1, v3 = tl.split(hi)
+        m, arg = _arg_step(m, arg, v0, idx)
+        m, arg = _arg_step(m, arg, v1, idx + 8)
+        m, arg = _arg_step(m, arg, v2, idx + 16)
+        m, arg = _arg_step(m, arg, v3, idx + 24)
+    else:
+        even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2, 2)))   # g = 4 * b2 + 2 * b1 + b0
+        e0, e1 = tl.split(even)          # b1 = 0 / 1, b0 = 0
+        o0, o1 = tl.split(odd)           # b1 = 0 / 1, b0 = 1
+        v0, v4 = tl.split(e0)
+        v2, v6 = tl.split(e1)
+        v1, v5 = tl.split(o0)
+        v3, v7 = tl.split(o1)
+        m, arg = _arg_step(m, arg, v0, idx)
+        m, arg = _arg_step(m, arg, v1, idx + 8)
+        m, arg = _arg_step(m, arg, v2, idx + 16)
+        m, arg = _arg_step(m, arg, v3, idx + 24)
+        m, arg = _arg_step(m, arg, v4, idx + 32)
+        m, arg = _arg_step(m, arg, v5, idx + 40)
+        m, arg = _arg_step(m, arg, v6, idx + 48)
+        m, arg = _arg_step(m, arg, v7, idx + 56)
+    return m, arg
+
+
+@triton.jit
+def _rows_max_arg(m, arg):
+    """Each row's max and first arg-max from its partial pairs (``_fold_arg_partials``): the smallest token among
+    the partials that hold the max (-1 where none does: a row of NaN, whose arg-max is no token)."""
+    m_row = tl.reduce(m, 1, _max_propagating_nan)
+    first = tl.min(tl.where(m == m_row[:, None], arg, 2147483647), 1)
+    return m_row, tl.where(first == 2147483647, -1, first)
+
+
+@triton.jit
 def _rows_max(m, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr):
     """Each row's running max from its ``ROW_PARTIALS`` partial maxima (``_fold_row_partials``), or ``m`` itself."""
     if ROW_PARTIALS > 1:
@@ -281,8 +344,11 @@ def _fold_tile(
                               q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, PARTIAL, HAS_SCALES, QUANTIZE_Q,
                               HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, EVEN_D,
                               WHOLE_TILE_MASKS, None, None, False, D_DESC, tma_row, TMA)
-    if ROW_PARTIALS > 1:
-        tl.static_assert(not SMOOTH and not SAVE_AUX)
+    if ROW_PARTIALS > 1 and SAVE_AUX:
+        tl.static_assert(not SMOOTH and ROW_PARTIALS == 8)
+        m, arg = _fold_arg_partials(m, arg, s, n0, BLOCK_N)
+    elif ROW_PARTIALS > 1:
+        tl.static_assert(not SMOOTH)
         m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, False)
     else:
         m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, SAVE_AUX, BLOCK_N)
@@ -606,7 +672,11 @@ def maxsim_fwd_kernel(
 
     m = _running_max_init(BLOCK_M, ROW_PARTIALS)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp
-    arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)    # hard max: first arg-max so far
+    # hard max: first arg-max so far (per partial: _fold_arg_partials)
+    if SAVE_AUX and ROW_PARTIALS > 1:
+        arg = tl.full((BLOCK_M, ROW_PARTIALS), -1, dtype=tl.int32)
+    else:
+        arg = tl.full((BLOCK_M,), -1, dtype=tl.int32)
 
     ncols = tl.arange(0, BLOCK_N)
     if MULTI_DOC:
@@ -676,8 +746,11 @@ def maxsim_fwd_kernel(
             m, acc, arg, n_lo, n_hi, ncols, q_tile, Q, q_row_off, row_ok, D, d_base, d_cols0, DMASK, SCALES, m_base,
             q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, HAS_SCALES, QUANTIZE_Q,
             HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D,
-            WHOLE_TILE_MASKS, ROW_PARTIALS, PEEL_TAIL, TAIL_N)
-        m = _rows_max(m, ROW_PARTIALS, False)
+            WHOLE_TILE_MASKS, ROW_PARTIALS, PEEL_TAIL, TAIL_N, D_DESC, t * Ld, TMA_DOCS)
+        if SAVE_AUX and not SMOOTH and ROW_PARTIALS > 1:
+            m, arg = _rows_max_arg(m, arg)
+        else:
+            m = _rows_max(m, ROW_PARTIALS, False)
 
         m, row_val, has_any = _row_values(m, acc, q_scale, tau, QUANTIZE_Q, SMOOTH)
         if ROW_OUT:

@@ -113,9 +113,9 @@ ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=
                                 TMA_DOCS=False)
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None):
+def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None, smooth=False):
     """The forward's tiling and grid choices. ``products``: ``"int8"`` / ``"fp8"`` for 8-bit products
-    (eight_bit_products), None otherwise."""
+    (eight_bit_products), None otherwise; ``smooth``: the smooth max."""
     tokb, qpb = _row_tiling(Nq, Lq, paired, FORWARD_OVERRIDES.get("ROWS", 128))
     block_d, d_chunks = feature_tiling_for(d, dtype)
     # fp8 products are tiled as int8 ones were measured (fp8's own choices unmeasured: session 17)
@@ -131,7 +131,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
                DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
                QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False, ROW_PARTIALS=1, TAIL_N=0,
-               PEEL_EACH_DOC=False)
+               PEEL_EACH_DOC=False, TMA_ONE_DOC=False)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -202,6 +202,16 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
         if rows256 is not None:
             tokb, qpb = rows256
             cfg.update(TOKB=tokb, QPB=qpb, num_warps=8, num_stages=3, TAIL_N=16)
+    if (save_aux and not smooth and dtype in (torch.bfloat16, torch.float16) and d <= 128
+            and cfg["TOKB"] * cfg["QPB"] >= 128):
+        # the training forward's hard max: 8 partial (max, arg-max) pairs per row, folded with no reduction or
+        # shuffle per tile (kernels/forward.py, _fold_arg_partials; offline sm_90, B64 + 7 negatives: 340
+        # instructions per whole tile against 396), whole tiles copied by TMA (session 22, ab_forward, 7 interleaved
+        # rounds against aca5130: B128 32x300 0.1183 vs 0.1269 ms, B64 + 7 negatives 0.2212 vs 0.2406, ColPali B64
+        # 0.0804 vs 0.0898, B256 1.067 vs 1.216; the pairs alone 0.955-0.922x, TMA alone 1.00-1.21x; 3 stages, 8
+        # warps or 256 rows on 300-token documents no faster). Not the smooth max (TMA alone 1.03-1.04x there), nor
+        # tiles of fewer than 128 rows, whose mma.sync layout may split a row's columns across warps
+        cfg.update(ROW_PARTIALS=8, TMA_ONE_DOC=True)
     # few (query block, document) pairs with long documents: split the document's tokens over programs
     programs = _programs(Nq, C, Lq, paired, tokb, qpb)
     if not save_aux and programs < 2 * _sm_count() and max_len >= 1024:
@@ -329,7 +339,7 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     quantize_q = products is not None
     # queries quantised in the kernel: tiled like bf16 ones (both on tensor cores)
     cfg = forward_config(Nq, C, Lq, max_len, d, bool(candidates), save_aux,
-                         torch.bfloat16 if quantize_q else queries.dtype, products)
+                         torch.bfloat16 if quantize_q else queries.dtype, products, smooth)
     # or quantised before the launch (forward() does it), read by the kernel as contiguous 8-bit values
     q_quantized = quantize_q and bool(cfg["QUANTIZE_FIRST"])
     q_strides = _contiguous_strides((Nq, Lq, d)) if q_quantized else queries.stride()
@@ -398,7 +408,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     each_peeled = docs > 1 and not flat_run and bool(cfg["PEEL_TAIL"]) and bool(cfg["PEEL_EACH_DOC"])
     # the loop per document copies its whole tiles by TMA too (the peeled runs' default since session 21), where the
     # documents lie end to end, each one's tokens rows of the descriptor
-    tma_docs = ((flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"]) and sdd == 1
+    # and one padded document per program, where TMA_ONE_DOC (the training forward's hard max)
+    one_doc = docs == 1 and offsets is None and Ld > 0 and sdt == Ld * sdl and bool(cfg.get("TMA_ONE_DOC"))
+    tma_docs = (((flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"]) or one_doc) and sdd == 1
                 and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0
                 and cfg["D_CHUNKS"] == 1 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
@@ -438,9 +450,12 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # tests only: False runs the bit-cast pass alone, without the exact second pass where it falls short
     plan.meta["BITCAST_REDO"] = bool(cfg.get("BITCAST_REDO", True))
     # partial maxima per row (kernels/forward.py, _fold_row_partials): the hard max without arg-max, except in runs
-    # of documents whose tiles straddle two documents
-    plan.meta["ROW_PARTIALS"] = (int(cfg["ROW_PARTIALS"]) if not smooth and not save_aux
-                                 and not plan.meta["STRADDLE"] else 1)
+    # of documents whose tiles straddle two documents; with the arg-max (the training forward), 8 partial (max,
+    # arg-max) pairs per row (_fold_arg_partials) on tiles of 16 to 64 tokens
+    partials = int(cfg["ROW_PARTIALS"])
+    if save_aux:
+        partials = partials if partials == 8 and cfg["BLOCK_N"] in (16, 32, 64) else 1
+    plan.meta["ROW_PARTIALS"] = partials if not smooth and not plan.meta["STRADDLE"] else 1
     if each_peeled:
         plan.meta["PEEL_EACH_DOC"] = True
     # the peeled tail in narrower tiles (kernels/forward.py, _fold_document), where a loop per document peels it:
