@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_maxsim
-from flash_maxsim import reference
+from flash_maxsim import _layout, reference
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
@@ -306,21 +306,22 @@ def _first_arg_max(q, d, qm, dm, masked):
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["TMA copies", "threads' copies"])
-@pytest.mark.parametrize("Ld, masked", [(300, "exclude"), (300, "zero"), (530, "exclude")],
-                         ids=["300 tokens", "300 tokens, masked as zero", "530 tokens, 16-token tails"])
-def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, masked, tma, monkeypatch, seed):
+@pytest.mark.parametrize("Ld, masked, tail", [(300, "exclude", None), (300, "zero", None), (530, "exclude", 16),
+                                              (530, "exclude", 32)],
+                         ids=["300 tokens", "300 tokens, masked as zero", "530 tokens, 16-token tails",
+                              "530 tokens, 32-token tails"])
+def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, masked, tail, tma, monkeypatch, seed):
     """The training forward's default for the hard max (session 22: 8 partial (max, arg-max) pairs per row,
     ``_fold_arg_partials``), on inputs of small integers (exact products, ties everywhere: within a tile, across
     the partials and across tiles): the saved arg-max is the first maximal token, as PyTorch's max picks it, and
     the scores are the float64 reference's, exactly. Documents of 300 tokens (64-token tiles, a partial last
-    one) and of 530 (256-row tiles, 16-token tails), masks, a document with no valid token; with TMA copies and
-    without."""
+    one) and of 530 (256-row tiles, 16-token tails, and the 32-token tail option: every group count of the fold),
+    masks, a document with no valid token; with TMA copies and without."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 1)
-    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"TAIL_N": 32} if tail == 32 else {})
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     if not tma:
         monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: False)
-    from flash_maxsim import _layout
     g = torch.Generator().manual_seed(seed)
     nq = 8 if Ld == 530 else 4                       # 256 or 128 query-token rows
     q = torch.randint(-2, 3, (nq, 32, 32), generator=g).to(torch.bfloat16)
@@ -335,7 +336,7 @@ def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, maske
     scores, aux = launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.candidates,
                                  masked == "zero", None, True, p.max_length, p.document_scales)
     meta = next(iter(launch._FORWARD_PLANS.values())).meta
-    assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"], meta.get("TAIL_N")) == (8, tma, 16 if Ld == 530 else None)
+    assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"], meta.get("TAIL_N")) == (8, tma, tail)
     assert torch.equal(scores.cpu().double(), want)
     assert torch.equal(aux.cpu().long(), want_arg)
 

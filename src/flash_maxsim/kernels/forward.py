@@ -253,6 +253,16 @@ def _arg_step(m, arg, v, idx):
 
 
 @triton.jit
+def _arg_steps4(m, arg, v0, v1, v2, v3, idx):
+    """Four consecutive groups (tokens ``idx + [0, 32)``, 8 per group) folded in order by ``_arg_step``."""
+    m, arg = _arg_step(m, arg, v0, idx)
+    m, arg = _arg_step(m, arg, v1, idx + 8)
+    m, arg = _arg_step(m, arg, v2, idx + 16)
+    m, arg = _arg_step(m, arg, v3, idx + 24)
+    return m, arg
+
+
+@triton.jit
 def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
     """The hard max with its first arg-max, in 8 partial (max, arg-max) pairs per row (``m``, ``arg``: [rows, 8]):
     partial w holds the max over the columns j = 8g + w of the tiles folded so far and the first token holding it.
@@ -274,10 +284,7 @@ def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
         lo, hi = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2)))     # g = 2 * b1 + b0: lo holds b0 = 0
         v0, v2 = tl.split(lo)
         v1, v3 = tl.split(hi)
-        m, arg = _arg_step(m, arg, v0, idx)
-        m, arg = _arg_step(m, arg, v1, idx + 8)
-        m, arg = _arg_step(m, arg, v2, idx + 16)
-        m, arg = _arg_step(m, arg, v3, idx + 24)
+        m, arg = _arg_steps4(m, arg, v0, v1, v2, v3, idx)
     else:
         even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2, 2)))   # g = 4 * b2 + 2 * b1 + b0
         e0, e1 = tl.split(even)          # b1 = 0 / 1, b0 = 0
@@ -286,14 +293,8 @@ def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
         v2, v6 = tl.split(e1)
         v1, v5 = tl.split(o0)
         v3, v7 = tl.split(o1)
-        m, arg = _arg_step(m, arg, v0, idx)
-        m, arg = _arg_step(m, arg, v1, idx + 8)
-        m, arg = _arg_step(m, arg, v2, idx + 16)
-        m, arg = _arg_step(m, arg, v3, idx + 24)
-        m, arg = _arg_step(m, arg, v4, idx + 32)
-        m, arg = _arg_step(m, arg, v5, idx + 40)
-        m, arg = _arg_step(m, arg, v6, idx + 48)
-        m, arg = _arg_step(m, arg, v7, idx + 56)
+        m, arg = _arg_steps4(m, arg, v0, v1, v2, v3, idx)
+        m, arg = _arg_steps4(m, arg, v4, v5, v6, v7, idx + 32)
     return m, arg
 
 
@@ -747,7 +748,7 @@ def maxsim_fwd_kernel(
             q_scale, stride_qd, stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, HAS_SCALES, QUANTIZE_Q,
             HAS_DMASK, ZERO_MASKED, SMOOTH, SAVE_AUX, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, BLOCK_N, EVEN_D,
             WHOLE_TILE_MASKS, ROW_PARTIALS, PEEL_TAIL, TAIL_N, D_DESC, t * Ld, TMA_DOCS)
-        if SAVE_AUX and not SMOOTH and ROW_PARTIALS > 1:
+        if SAVE_AUX and ROW_PARTIALS > 1:
             m, arg = _rows_max_arg(m, arg)
         else:
             m = _rows_max(m, ROW_PARTIALS, False)

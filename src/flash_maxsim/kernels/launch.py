@@ -409,8 +409,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # the loop per document copies its whole tiles by TMA too (the peeled runs' default since session 21), where the
     # documents lie end to end, each one's tokens rows of the descriptor
     # and one padded document per program, where TMA_ONE_DOC (the training forward's hard max)
-    one_doc = docs == 1 and offsets is None and Ld > 0 and sdt == Ld * sdl and bool(cfg.get("TMA_ONE_DOC"))
-    tma_docs = (((flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"]) or one_doc) and sdd == 1
+    one_doc = docs == 1 and offsets is None and Ld > 0 and sdt == Ld * sdl and bool(cfg["TMA_ONE_DOC"])
+    several = (flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"])
+    tma_docs = ((several or one_doc) and sdd == 1
                 and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0
                 and cfg["D_CHUNKS"] == 1 and T * Ld < 2**31 and _tensor_descriptors(queries))
     plan.scalars = (
