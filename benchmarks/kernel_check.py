@@ -253,11 +253,11 @@ def forward_table(dev, quick, sweep):
 # benchmarks/results/run14, run16 and run17
 TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "dense"}}, {"bwd": {"DD_METHOD": "dense", "FUSED": False}},
                {"bwd": {"DD_METHOD": "dense", "FUSED_STAGES": 2}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}},
-               # the hard-max dD from each document's entries sorted (kernels/backward.py, maxsim_bwd_dd_sort_kernel,
-               # then maxsim_bwd_dd_sorted_blocks_kernel): its chunk loop unpipelined or on 2 stages, blocks of 64
-               # tokens on 4 warps (the default) or 128 on 8
-               {"bwd": {"DD_METHOD": "sorted"}}, {"bwd": {"DD_METHOD": "sorted", "DD_STAGES": 2}},
-               {"bwd": {"DD_METHOD": "sorted", "DD_BLOCK_N": 128, "DD_WARPS": 8}},
+               # the hard-max dD binned by block in each block's program (kernels/backward.py,
+               # maxsim_bwd_dd_binned_kernel; session 23 replaced session 16's sorted dD with it): its chunk loop
+               # unpipelined or on 2 stages, blocks of 64 tokens on 4 warps (the default) or 128 on 8
+               {"bwd": {"DD_METHOD": "binned"}}, {"bwd": {"DD_METHOD": "binned", "DD_STAGES": 2}},
+               {"bwd": {"DD_METHOD": "binned", "DD_BLOCK_N": 128, "DD_WARPS": 8}},
                # session 19 (untimed): the smooth max's gradients load each streamed tile once for their two products;
                # RELOAD_TILE loads it twice as before (offline sm_90, unmasked: dQ 652 against 730 instructions per
                # tile, 64 against 96 KB of shared memory; dD 747 against 837)
@@ -350,7 +350,7 @@ def train_table(dev, sweep=False, only=""):
 
 
 TRAIN_AB = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}},
-            {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DD_METHOD": "sorted"}}]
+            {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DD_METHOD": "binned"}}]
 # the forward that saves the arg-max for the backward (session 15): 128-row programs of 4 warps and 2 stages by
 # default; 256-row programs on 8 warps (what the compute-bound inference rows use), 3 stages
 TRAIN_AB_FWD = [{}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_stages": 3}},

@@ -8,7 +8,8 @@ Cases: int8-1024 (1x10k 1024x1024, int8 index), int8-300 (1x10k 32x300, int8 ind
 bf16-128x1024 (1x1k 128x1024); training steps (scores, cross-entropy, backward): train-b256 (ColPali in-batch
 B256 32x1030), train-b64 (B64 32x1030), train-b64x8 (ColBERT B64 + 7 negatives: 512 documents of 32x300),
 train-smooth-b128 (the smooth max, tau 0.1, ColPali B128), for the backward kernels (``--kernel-name
-maxsim_bwd_dd_sorted_blocks_kernel``, ``maxsim_bwd_dq_kernel``, ``maxsim_bwd_dd_dense_kernel``).
+maxsim_bwd_dd_binned_kernel``, ``maxsim_bwd_dq_gather_kernel``, ``maxsim_bwd_dd_dense_kernel``, or
+``regex:maxsim_bwd`` for all of them).
 An optional second argument, a JSON object, sets ``kernels.launch.FORWARD_OVERRIDES`` (a variant to profile), or
 for a training case ``BACKWARD_OVERRIDES``.
 """

@@ -216,13 +216,22 @@ CASES = [
     Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
     Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
          backward_overrides={"DD_METHOD": "sparse"}),
-    # the sorted dD (the default for documents of 1024 tokens or more; forced on the 300-token candidates): each
-    # document's arg-max entries sorted (8192 at ColPali B256), then one program per 64-token block
-    Case("train bf16 ColPali B256 sorted dD", lambda: (_q(256, 32, 128), _docs(256, 1030, 128), None, None),
-         training=True, backward_overrides={"DD_METHOD": "sorted"}),
-    Case("train bf16 KD 8x8 paired sorted dD", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
+    # the binned dD (session 23: the default for documents of 1024 tokens or 1024 arg-max entries or more; forced on
+    # the 300-token candidates): one program per 64-token block picks its entries out of the document's (8192 at
+    # ColPali B256) and multiplies them; the hard-max dQ in its own launch a gather of several columns per step
+    Case("train bf16 ColPali B256", lambda: (_q(256, 32, 128), _docs(256, 1030, 128), None, None), training=True),
+    Case("train bf16 KD 8x8 paired binned dD", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
                                                         None, None), training=True,
-         backward_overrides={"DD_METHOD": "sorted"}),
+         backward_overrides={"DD_METHOD": "binned"}),
+    # the hard-max dQ a row at a time in its own launch (the default before session 23), the gather on ragged
+    # documents beside the binned dD, and over feature slices (d = 384)
+    Case("train bf16 B64 + 7 negatives 32x300, dQ a row at a time",
+         lambda: (_q(64, 32, 128), _docs(512, 300, 128), None, None), training=True,
+         backward_overrides={"DQ_METHOD": "rows"}),
+    Case("train fp16 ragged binned dD", lambda: (_q(3, 20, 128, FP16), _ragged([5, 70, 33], 128, FP16), None, None),
+         training=True, backward_overrides={"DD_METHOD": "binned"}),
+    Case("train bf16 d=384 dQ gather", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True,
+         backward_overrides={"FUSED": False}),
     Case("train bf16 dD, gradient not split", lambda: (_q(4, 32, 128), _docs(8, 300, 128), _mask(4, 32),
                                                         _mask(8, 300)), training=True,
          backward_overrides={"G_SPLIT": False, "DD_STAGES": 2}),

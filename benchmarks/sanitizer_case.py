@@ -78,20 +78,22 @@ def main():
     out = fm.maxsim(q, fm.PackedDocuments(vals, packed.offsets, packed.max_length), smooth_tau=0.2)
     out.sum().backward()
     check("packed smooth", out, reference.maxsim(q.detach(), ragged, smooth_tau=0.2), 1e-5)
-    # the sorted hard-max dD (the default for documents of 1024 tokens or more): in-batch with masks (d = 96
-    # padded to 128 features), per-query candidates, packed documents with an empty one; its documents' gradient
-    # against the dense kernel's
+    # the binned hard-max dD and the dQ gather (the defaults for documents of 1024 tokens or 1024 arg-max entries or
+    # more): in-batch with masks (d = 96 padded to 128 features), per-query candidates, packed documents with an
+    # empty one; both gradients against the dense dD's launch with the row-at-a-time dQ
     for name, docs, mask in (("in-batch", d, dm), ("candidates", cand, None), ("packed", vals, None)):
         grads = []
-        for method in ("dense", "sorted"):
-            launch.BACKWARD_OVERRIDES["DD_METHOD"] = method
-            leaf = docs.detach().requires_grad_()
+        for method in ({"DD_METHOD": "dense", "FUSED": False, "DQ_METHOD": "rows"},
+                       {"DD_METHOD": "binned", "DQ_METHOD": "gather"}):
+            launch.BACKWARD_OVERRIDES.update(method)
+            leaf, q_leaf = docs.detach().requires_grad_(), q.detach().requires_grad_()
             arg = fm.PackedDocuments(leaf, packed.offsets, packed.max_length) if name == "packed" else leaf
-            out = fm.maxsim(q, arg, qm, mask)
+            out = fm.maxsim(q_leaf, arg, qm, mask)
             (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
-            grads.append(leaf.grad.double())
-        launch.BACKWARD_OVERRIDES.pop("DD_METHOD")
-        check(f"sorted dD, {name}", grads[1], grads[0], 1e-2)
+            grads.append((leaf.grad.double(), q_leaf.grad.double()))
+            launch.BACKWARD_OVERRIDES.clear()
+        check(f"binned dD, {name}", grads[1][0], grads[0][0], 1e-2)
+        check(f"dQ gather, {name}", grads[1][1], grads[0][1], 1e-2)
     long_q = torch.randn(2, 300, 128, device=dev, dtype=bf, requires_grad=True)
     out = fm.maxsim(long_q, torch.randn(3, 129, 128, device=dev, dtype=bf))
     out.sum().backward()

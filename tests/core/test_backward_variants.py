@@ -1,7 +1,8 @@
 """Kernel variants chosen by tuning hooks (launch.FORWARD_OVERRIDES / BACKWARD_OVERRIDES) compute the same
-function: the hard-max dD methods (dense one-hot, the default, with and without the gradient's 16-bit split;
-each document's entries sorted in its program; entries sorted by torch.sort), the document-token split of the
-forward, the dQ column split."""
+function: the hard-max dD methods (dense one-hot, with and without the gradient's 16-bit split; each block of a
+document's tokens multiplied by its own entries, binned in its program; entries sorted by torch.sort), the hard-max
+dQ methods (a row at a time; a gather of several columns per step), the document-token split of the forward, the
+dQ column split."""
 
 import pytest
 import torch
@@ -65,8 +66,12 @@ def _grads(q, docs, **kw):
 
 
 @pytest.mark.parametrize("method", [{"DD_METHOD": "sparse"}, {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": False},
-                                    {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": True}, {"DD_METHOD": "sorted"}],
-                         ids=["sparse", "dense", "dense-fused-with-dq", "sorted"])
+                                    {"DD_METHOD": "dense", "G_SPLIT": False, "FUSED": True},
+                                    {"DD_METHOD": "dense", "FUSED": False, "DQ_METHOD": "rows"},
+                                    {"DD_METHOD": "binned", "DQ_METHOD": "gather"},
+                                    {"DD_METHOD": "binned", "DQ_METHOD": "gather", "DQ_ROWS": 2, "DQ_COLS": 4}],
+                         ids=["sparse", "dense", "dense-fused-with-dq", "dense-dq-rows", "binned-dq-gather",
+                              "binned-dq-gather-2x4"])
 @pytest.mark.parametrize("layout", ["in-batch", "candidates", "packed"])
 def test_hard_max_document_gradient_methods(overrides, layout, method):
     overrides.BACKWARD_OVERRIDES.update(method)
@@ -106,18 +111,20 @@ def test_document_token_split_propagates_nan(overrides, smooth_tau):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-with-dd"])
-def test_query_gradient_column_split(overrides, fused):
+@pytest.mark.parametrize("fused, dq_method", [(False, "rows"), (True, "rows"), (False, "gather")],
+                         ids=["separate", "fused-with-dd", "separate-gather"])
+def test_query_gradient_column_split(overrides, fused, dq_method):
     # 300 columns against a single query block: the dQ grid is split over columns (partial sums; not at <= 64
-    # columns, nor at <= 256 in the launch of the dD programs), in its own launch or in the dD's (hard max)
-    overrides.BACKWARD_OVERRIDES["FUSED"] = fused
+    # columns, nor at <= 256 in the launch of the dD programs), in its own launch or in the dD's (hard max); the
+    # hard max's gather as well
+    overrides.BACKWARD_OVERRIDES.update(FUSED=fused, DQ_METHOD=dq_method)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(13)
     q = torch.randn(1, 5, 16, generator=g).to(dev)
     docs = torch.randn(300, 6, 16, generator=g).to(dev)
     plan = launch._backward_plan(torch.zeros(1, 300), q, docs, None, None, None, 6,
                                  torch.zeros(1, 300, 5, dtype=torch.int16), 0, None, True, True, None)
-    assert plan.n_cs > 1 and plan.fused == fused
+    assert plan.n_cs > 1 and plan.fused == fused and plan.dq_method == dq_method
     with force_backend("triton"):
         for tau in (None, 0.3):
             out, ref, gq, gq64, gd, gd64 = _grads(q, docs, smooth_tau=tau)
@@ -326,7 +333,7 @@ def test_several_documents_per_program_only_for_padded_scoring(overrides, monkey
     assert len(plans) == 3 and all(p.docs == 1 for p in plans)
 
 
-@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}, {"DD_METHOD": "sorted"}])
+@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sparse"}, {"DD_METHOD": "binned"}])
 def test_document_gradient_goes_to_the_first_of_tied_tokens(overrides, method):
     """Documents whose tokens are all equal: every query token's first arg-max is token 0 (the tie rule), so
     dD[t, 0] = sum_q G[q, t] * sum_i Q[q, i] and every other row is 0 (autograd of amax would split it)."""
@@ -383,7 +390,7 @@ def test_hard_max_document_gradient_rounding(overrides, dtype):
     assert ((docs.grad.double() - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("method", [{}, {"DD_METHOD": "sorted"}])
+@pytest.mark.parametrize("method", [{"DD_METHOD": "dense"}, {"DD_METHOD": "binned", "DQ_METHOD": "gather"}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype, method):
     """``maxsim_backward(..., fp32_grads=True)`` on 16-bit inputs: fp32 dQ and dD, and the dD kernel multiplies
@@ -405,17 +412,17 @@ def test_fp32_gradients_keep_the_upstream_gradient_whole(overrides, dtype, metho
 
 
 @pytest.mark.parametrize("layout", ["in-batch", "in-batch-128-token-blocks", "candidates", "ragged"])
-def test_sorted_document_gradient_blocks_and_chunks(overrides, layout, monkeypatch):
-    """The sorted dD (each document's arg-max entries sorted, then each block of its tokens multiplied by its own
-    entries): documents of several blocks, a block receiving more entries than one 64-entry chunk (copies of query
-    tokens that two query tokens each pick), a token every query's tokens pick (candidates), masked query tokens
-    (no entry), an empty document; against the float64 reference, bitwise the same when run again, and the dense
-    kernel where a document has more entries than the sort holds."""
+def test_binned_document_gradient_blocks_and_chunks(overrides, layout, monkeypatch):
+    """The binned dD (each block of a document's tokens multiplied by its own entries, which its program picks out
+    of the document's): documents of several blocks, a block receiving more entries than one 64-entry chunk (copies
+    of query tokens that two query tokens each pick), a token every query's tokens pick (candidates), masked query
+    tokens (no entry), an empty document; against the float64 reference, bitwise the same when run again (dQ's
+    gather too), and the dense kernel where a document has more entries than a program holds."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(17)
     q = torch.randn(5, 16, 16, generator=g)
     q[:, 8:] = q[:, :8]                                  # each query's tokens 8-15 repeat its tokens 0-7
-    block_n = 128 if layout.endswith("128-token-blocks") else launch.SORTED_DD_BLOCK_N
+    block_n = 128 if layout.endswith("128-token-blocks") else launch.BINNED_DD_BLOCK_N
     if layout == "candidates":
         docs = torch.randn(5, 2, 200, 16, generator=g)
         docs[:, 0, 150] = q.sum(1) * 4                   # token 150 of each query's first candidate dominates
@@ -429,18 +436,18 @@ def test_sorted_document_gradient_blocks_and_chunks(overrides, layout, monkeypat
     q, docs, qmask = q.to(dev), docs.to(dev), qmask.to(dev)
     if layout == "ragged":
         docs = [docs[0], docs[1], docs[2, :0], docs[2, :129]]
-    if block_n != launch.SORTED_DD_BLOCK_N:
+    if block_n != launch.BINNED_DD_BLOCK_N:
         overrides.BACKWARD_OVERRIDES["DD_BLOCK_N"] = block_n
-    overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "sorted"
+    overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "binned"
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     with force_backend("triton"):
         out, ref, gq, gq64, gd, gd64 = _grads(q, docs, queries_mask=qmask)
-        _, _, _, _, again, _ = _grads(q, docs, queries_mask=qmask)
-    assert {p.dd_method for p in launch._BACKWARD_PLANS.values()} == {"sorted"}
+        _, _, again_q, _, again, _ = _grads(q, docs, queries_mask=qmask)
+    assert {(p.dd_method, p.dq_method) for p in launch._BACKWARD_PLANS.values()} == {("binned", "gather")}
     torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-4)
-    assert torch.equal(gd, again)
-    monkeypatch.setattr(launch, "SORTED_DD_MAX_ENTRIES", 8)
+    assert torch.equal(gd, again) and torch.equal(gq, again_q)
+    monkeypatch.setattr(launch, "BINNED_DD_MAX_ENTRIES", 8)
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     with force_backend("triton"):
         _, _, _, _, dense, _ = _grads(q, docs, queries_mask=qmask)

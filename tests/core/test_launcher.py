@@ -709,8 +709,8 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     partials = []
 
     def record(kernel, grid, tensors, scalars, meta, meta_key=None, plan=None, cache=True):
-        if kernel is launch.maxsim_bwd_dq_kernel:
-            partials.append(weakref.ref(tensors[7]))
+        if kernel is launch.maxsim_bwd_dq_gather_kernel:         # the hard max's dQ in its own launch
+            partials.append(weakref.ref(tensors[4]))
         elif kernel is launch.maxsim_bwd_dd_dense_kernel:
             assert partials and partials[0]() is None, "dQ partial sums still allocated when dD is computed"
             partials.append("dd launched")
@@ -721,8 +721,8 @@ def test_dq_partial_sums_are_freed_before_dd_is_allocated(monkeypatch):
     grad = torch.randn(2, 128)
     dq, dd = launch.backward(grad, queries, documents, None, None, None, 40, aux, 0, None, True, True)
     assert partials[-1] == "dd launched" and dq.shape == queries.shape and dd.shape == documents.shape
-    splits = launch._dq_column_splits(1, 128, 2 * 8 * 32 * 4, 8 << 20)
-    assert splits > 1          # the case above does split the column loop
+    assert launch._backward_plan(grad, queries, documents, None, None, None, 40, aux, 0, None, True, True,
+                                 None).n_cs > 1          # the case above does split the column loop
 
 
 def _recorded_launches(monkeypatch):
@@ -748,55 +748,54 @@ def test_query_gradient_column_split_thresholds(monkeypatch, need_dd, unsplit_up
         aux = torch.zeros(2, columns, 8, dtype=torch.int16)
         dq, dd = launch.backward(torch.randn(2, columns), queries, documents, None, None, None, 40, aux, 0, None,
                                  True, need_dd)
-        kernel = kernels.maxsim_bwd_fused_kernel if need_dd else kernels.maxsim_bwd_dq_kernel
+        # dQ alone: the hard max's gather (its output is its fifth tensor)
+        kernel, out = (kernels.maxsim_bwd_fused_kernel, 7) if need_dd else (kernels.maxsim_bwd_dq_gather_kernel, 4)
         assert [k for k, _ in launched] == [kernel]
-        target = launched[0][1][7]
+        target = launched[0][1][out]
         assert (target.shape[0] > 1) == split and (target.data_ptr() == dq.data_ptr()) != split
         if need_dd:
             assert launched[0][1][8].data_ptr() == dd.data_ptr() and dd.shape == documents.shape
 
 
 def test_smooth_max_and_single_gradients_keep_their_own_launches(monkeypatch):
-    """The smooth max's dD takes other tiles than dQ: two launches; one gradient asked for: one launch."""
+    """The smooth max's dD takes other tiles than dQ: two launches; one gradient asked for: one launch (the hard
+    max's dQ alone: the gather)."""
     from flash_maxsim.kernels import backward as kernels
     from flash_maxsim.kernels import launch
     launched = _recorded_launches(monkeypatch)
     queries, documents = torch.randn(2, 8, 32), torch.randn(5, 40, 32)
     for tau, need_dd, expected in ((0.1, True, [kernels.maxsim_bwd_dq_kernel, kernels.maxsim_bwd_dd_dense_kernel]),
-                                   (None, False, [kernels.maxsim_bwd_dq_kernel])):
+                                   (None, False, [kernels.maxsim_bwd_dq_gather_kernel])):
         launched.clear()
         aux = torch.zeros(2, 5, 8, dtype=torch.float32 if tau else torch.int16)
         launch.backward(torch.randn(2, 5), queries, documents, None, None, None, 40, aux, 0, tau, True, need_dd)
         assert [k for k, _ in launched] == expected
 
 
-@pytest.mark.parametrize("entries, documents, Ld, expected", [
-    (128 * 32, 128, 300, "dense"),      # ColBERT in-batch B128: 128 documents, under one sort wave of 264
-    (64 * 32, 512, 300, "sorted"),      # ColBERT B64 + 7 negatives
-    (32, 64 * 64, 300, "dense"),        # KD, 64 candidates per query: 32 entries per document
-    (64 * 32, 64, 1030, "sorted"),      # ColPali in-batch B64
-    (256 * 32, 256, 1030, "sorted"),    # ColPali in-batch B256
+@pytest.mark.parametrize("entries, Ld, expected", [
+    (128 * 32, 300, "binned"),      # ColBERT in-batch B128
+    (64 * 32, 300, "binned"),       # ColBERT B64 + 7 negatives
+    (32, 300, "dense"),             # KD, 64 candidates per query: 32 entries per document
+    (64 * 32, 1030, "binned"),      # ColPali in-batch B64
+    (256 * 32, 1030, "binned"),     # ColPali in-batch B256
 ], ids=["colbert-b128", "colbert-b64-7neg", "kd", "colpali-b64", "colpali-b256"])
-def test_default_dd_method_on_an_h200_for_the_benchmarked_steps(entries, documents, Ld, expected):
-    """The dD kernel each benchmarked training step takes on an H200 (132 SMs), as session 17's sweep chose."""
+def test_default_dd_method_for_the_benchmarked_steps(entries, Ld, expected):
+    """The dD kernel each benchmarked training step takes, as session 23's A/B chose."""
     from flash_maxsim.kernels import launch
-    assert launch.default_dd_method(Ld, entries, documents, sms=132) == expected
+    assert launch.default_dd_method(Ld, entries) == expected
 
 
-@pytest.mark.parametrize("Nq, T, Ld, expected", [(2, 3, 1024, "sorted"), (2, 3, 300, "fused"),
-                                                  (32, 8, 300, "sorted"), (32, 7, 300, "fused"),
-                                                  (31, 8, 300, "fused")])
-def test_hard_max_dd_is_sorted_for_long_or_many_documents_and_fused_with_dq_otherwise(monkeypatch, Nq, T, Ld,
-                                                                                      expected):
-    """Hard max: documents of SORTED_DD_MIN_TOKENS tokens or more, or of SORTED_DD_MIN_ENTRIES arg-max entries
-    (here 32 queries x 32 tokens) when there are at least 2 per SM (this CPU stands for 4 SMs), take the sorted dD
-    (its sort, then its blocks' products) after dQ's own launch; the others one launch for both gradients (the
-    dense dD); the override still picks either."""
+@pytest.mark.parametrize("Nq, T, Ld, expected", [(2, 3, 1024, "binned"), (2, 3, 300, "fused"),
+                                                  (32, 2, 300, "binned"), (31, 8, 300, "fused")])
+def test_hard_max_dd_is_binned_for_long_documents_or_many_entries_and_fused_with_dq_otherwise(monkeypatch, Nq, T,
+                                                                                             Ld, expected):
+    """Hard max: documents of BINNED_DD_MIN_TOKENS tokens or more, or of BINNED_DD_MIN_ENTRIES arg-max entries
+    (here 32 queries x 32 tokens), take the binned dD after dQ's own launch (the gather); the others one launch for
+    both gradients (the dense dD and the row-at-a-time dQ); the overrides still pick each."""
     from flash_maxsim.kernels import backward as kernels
     from flash_maxsim.kernels import launch
     launched = _recorded_launches(monkeypatch)
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
-    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
     Lq = 32 if Nq > 2 else 8
     queries, documents = torch.randn(Nq, Lq, 32), torch.randn(T, Ld, 32)
     aux = torch.zeros(Nq, T, Lq, dtype=torch.int16)
@@ -806,9 +805,12 @@ def test_hard_max_dd_is_sorted_for_long_or_many_documents_and_fused_with_dq_othe
         monkeypatch.setattr(launch, "BACKWARD_OVERRIDES", overrides)
         launch.backward(torch.randn(Nq, T), queries, documents, None, None, None, Ld, aux, 0, None, True, True)
         return [k for k, _ in launched]
-    sorted_dd = [kernels.maxsim_bwd_dq_kernel, kernels.maxsim_bwd_dd_sort_kernel,
-                 kernels.maxsim_bwd_dd_sorted_blocks_kernel]
+    binned = [kernels.maxsim_bwd_dq_gather_kernel, kernels.maxsim_bwd_dd_binned_kernel]
     fused = [kernels.maxsim_bwd_fused_kernel]
-    assert kernels_launched() == (sorted_dd if expected == "sorted" else fused)
+    assert kernels_launched() == (binned if expected == "binned" else fused)
     assert kernels_launched(DD_METHOD="dense") == fused
-    assert kernels_launched(DD_METHOD="sorted") == sorted_dd
+    assert kernels_launched(DD_METHOD="binned") == binned
+    assert kernels_launched(DD_METHOD="binned", DQ_METHOD="rows") == [kernels.maxsim_bwd_dq_kernel,
+                                                                       kernels.maxsim_bwd_dd_binned_kernel]
+    assert kernels_launched(DD_METHOD="dense", FUSED=False) == [kernels.maxsim_bwd_dq_gather_kernel,
+                                                                kernels.maxsim_bwd_dd_dense_kernel]

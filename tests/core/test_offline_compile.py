@@ -67,10 +67,9 @@ def test_every_specialisation_compiles_without_spills(target, request):
     assert not errors, errors
     assert proc.returncode == 0, proc.stdout[-3000:]
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel",
-                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_sort_kernel",
-                       "maxsim_bwd_dd_sorted_blocks_kernel", "maxsim_bwd_fused_kernel",
-                       "maxsim_combine_slices_kernel"}
+    assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dq_gather_kernel",
+                       "maxsim_bwd_dd_dense_kernel", "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_binned_kernel",
+                       "maxsim_bwd_fused_kernel", "maxsim_combine_slices_kernel"}
     assert len(rows) >= 35
     # every launch binds all its kernel's constexprs, so later calls take the direct C launch (kernels/_launcher.py)
     assert all(r["direct_launch"] for r in rows), [(r["case"], r["kernel"]) for r in rows if not r["direct_launch"]]
@@ -139,20 +138,20 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     assert bitcast["shared_bytes"] == converted["shared_bytes"] and bitcast["local_bytes"] == 0
 
 
-def test_sorted_document_gradient_sorts_then_multiplies_per_block(hopper, ampere):
-    """The sorted dD at ColPali B256 (8192 entries per document): one program of 8 warps per document sorts its
-    entries (no tensor cores), then one program of 4 warps per block of 64 tokens (256 x 17 of them) multiplies
-    its entries' one-hot by their query rows on the tensor cores (wgmma on Hopper, mma.sync before); in registers and
-    at most 48 KiB of shared memory, so that several programs share an SM."""
-    case = "train bf16 ColPali B256 sorted dD"
+def test_hard_max_gradients_gather_and_bin_in_two_launches(hopper, ampere):
+    """ColPali B256's backward (8192 arg-max entries per document): dQ a gather of 8 query rows x 8 columns per step
+    on the CUDA cores (1024 programs, no partial sums), then the binned dD, one program of 4 warps per block of 64
+    tokens (256 x 17 of them), each holding its document's 8192 entries in registers to pick its own, which it
+    multiplies by their query rows on the tensor cores (wgmma on Hopper, mma.sync before); no spills, at most
+    48 KiB of shared memory, so that several programs share an SM."""
+    case = "train bf16 ColPali B256"
     for rows, mma in ((hopper[1], "wgmma bf16"), (ampere[1], "mma.sync bf16")):
-        sort = _by_case(rows, case, "maxsim_bwd_dd_sort_kernel")
-        blocks = _by_case(rows, case, "maxsim_bwd_dd_sorted_blocks_kernel")
-        assert sort["num_warps"] == 8 and not sort["mma"] and blocks["num_warps"] == 4 and set(blocks["mma"]) == {mma}
-        for row in (sort, blocks):
+        gather = _by_case(rows, case, "maxsim_bwd_dq_gather_kernel")
+        binned = _by_case(rows, case, "maxsim_bwd_dd_binned_kernel")
+        assert not gather["mma"] and binned["num_warps"] == 4 and set(binned["mma"]) == {mma}
+        for row in (gather, binned):
             assert row["local_bytes"] == 0 and row["stack_bytes"] == 0 and row["shared_bytes"] <= 48 * 1024
-    assert _by_case(hopper[1], case, "maxsim_bwd_dd_sort_kernel")["grid"] == [256]
-    assert _by_case(hopper[1], case, "maxsim_bwd_dd_sorted_blocks_kernel")["grid"] == [256 * 17]
+        assert gather["grid"] == [256 * 32 // 8] and binned["grid"] == [256 * 17]
 
 
 def test_compute_bound_tiles_take_hopper_wgmma(hopper, ampere):

@@ -14,26 +14,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs  # noqa: E402
 
 
-def _sorted_dd_scratch(step: TrainingStep, forced=False, sms=132) -> int:
-    """Bytes of the sorted hard-max dD's scratch (each document's sorted entry ids, int16, and its token blocks'
-    starts and counts, int32), or 0 where the step takes the dense dD: the smooth max, where launch's
-    default_dd_method picks the dense one on an H200's ``sms`` (unless ``forced``), more entries per document than
-    the sort holds."""
+def _binned_dd_scratch(step: TrainingStep, forced=False) -> int:
+    """Bytes of the binned hard-max dD's scratch (each document's entry ids grouped by block of tokens, int16), or 0
+    where the step takes the dense dD: the smooth max, where launch's default_dd_method picks the dense one (unless
+    ``forced``), more entries per document than a program holds."""
     from flash_maxsim.kernels import launch
     entries = step.Lq if step.kd else step.Nq * step.Lq
     e_pow2 = launch._pow2(max(entries, 16))
     n_docs = step.Nq * step.B if step.kd else step.B
-    default = launch.default_dd_method(step.Ld, entries, n_docs, sms)
-    if step.smooth_tau is not None or e_pow2 > launch.SORTED_DD_MAX_ENTRIES or not (forced or default == "sorted"):
+    default = launch.default_dd_method(step.Ld, entries)
+    if step.smooth_tau is not None or e_pow2 > launch.BINNED_DD_MAX_ENTRIES or not (forced or default == "binned"):
         return 0
-    nb_pow2 = launch._pow2(launch._cdiv(step.Ld, launch.SORTED_DD_BLOCK_N) + 1)
-    return n_docs * (2 * e_pow2 + 2 * nb_pow2 * 4)
+    return n_docs * e_pow2 * 2
 
 
-def _expected_mib(step: TrainingStep, elem=2, forced_sorted=False):
+def _expected_mib(step: TrainingStep, elem=2, forced_binned=False):
     """Two launches of the backward, dQ's then dD's, peak at the larger phase: dQ's with its fp32 column-split
     partial sums (at most max(8 MiB, the fp32 dQ), and their sum; none up to 64 columns), dD's with the documents'
-    gradient and dQ done (and the sorted dD's scratch). The hard max with the dense dD: one launch for both, the
+    gradient and dQ done (and the binned dD's scratch). The hard max with the dense dD: one launch for both, the
     partial sums (above 256 columns only) beside the documents' gradient."""
     C = step.B
     n_docs = step.Nq * step.B if step.kd else step.B
@@ -41,7 +39,7 @@ def _expected_mib(step: TrainingStep, elem=2, forced_sorted=False):
     saved = step.Nq * C * step.Lq * (4 if step.smooth_tau is not None else 2)      # int16 arg-max / fp32 lse
     dq, dq_fp32 = step.Nq * step.Lq * step.d * elem, step.Nq * step.Lq * step.d * 4
     dd = n_docs * step.Ld * step.d * elem
-    scratch = _sorted_dd_scratch(step, forced_sorted)
+    scratch = _binned_dd_scratch(step, forced_binned)
     if step.smooth_tau is None and not scratch:
         partials = max(8 * MiB, dq_fp32) + dq_fp32 if C > 256 else 0
         return (scores + loss_temporaries + saved + partials + dq + dd) / MiB
@@ -82,8 +80,8 @@ def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
     def peak(Lq, Ld):
         fn, inputs = TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau).build()
         return peak_above_inputs(fn, inputs)[0]
-    def scratch(Lq, Ld):     # the sorted dD's (hard max): grows with Nq * Lq and with Ld / 64, not their product
-        return _sorted_dd_scratch(TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau)) / MiB
+    def scratch(Lq, Ld):     # the binned dD's (hard max): grows with Nq * Lq, not with Ld
+        return _binned_dd_scratch(TrainingStep("in-batch", 16, 16, Lq, Ld, 64, smooth_tau=smooth_tau)) / MiB
     base = peak(32, 3000)
     more_ld = peak(32, 6000) - base
     more_lq = peak(64, 3000) - base
@@ -96,14 +94,14 @@ def test_nothing_grows_with_query_tokens_times_document_tokens(smooth_tau):
 
 @pytest.mark.parametrize("step", [s for s in TRAINING_STEPS if s.smooth_tau is None],
                          ids=lambda s: s.name.split(",")[0])
-def test_sorted_document_gradient_adds_only_its_scratch(step, monkeypatch):
-    """The sorted hard-max dD (DD_METHOD="sorted": dQ and dD in two launches) peaks at the larger of the two
-    launches' phases, the dD phase holding the documents' gradient, dQ and each document's sorted entry ids (int16)
-    and block starts and counts: ColPali B256 4 MiB more than its outputs and saved state."""
+def test_binned_document_gradient_adds_only_its_scratch(step, monkeypatch):
+    """The binned hard-max dD (DD_METHOD="binned": dQ and dD in two launches) peaks at the larger of the two
+    launches' phases, the dD phase holding the documents' gradient, dQ and each document's entry ids grouped by
+    block (int16): ColPali B256 4 MiB more than its outputs and saved state."""
     from flash_maxsim.kernels import launch
-    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_METHOD", "sorted")
+    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_METHOD", "binned")
     fn, inputs = step.build()
     peak, live = peak_above_inputs(fn, inputs)
     n_docs = step.Nq * step.B if step.kd else step.B
-    assert peak <= _expected_mib(step, forced_sorted=True), live
-    assert peak >= (n_docs * step.Ld * step.d * 2 + _sorted_dd_scratch(step, forced=True)) / MiB
+    assert peak <= _expected_mib(step, forced_binned=True), live
+    assert peak >= (n_docs * step.Ld * step.d * 2 + _binned_dd_scratch(step, forced=True)) / MiB

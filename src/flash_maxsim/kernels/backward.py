@@ -3,11 +3,12 @@ fixed order in fp32 (partial sums over column splits are added afterwards in a f
 
 Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary value:
 - hard max, ``AUX[q, col, i]`` = first arg-max token ``j`` (-1: no gradient)
-    dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]                      (gather:  maxsim_bwd_dq_kernel)
-    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, short documents)
+    dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]      (a gather: several columns per step where dQ has its
+               own launch, maxsim_bwd_dq_gather_kernel; a row at a time beside the dense dD, _dq_program)
+    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, few entries)
+             or, each block of a document's tokens' one-hot over its own entries only, picked out of the
+               document's in its program (maxsim_bwd_dd_binned_kernel; the default for documents of many entries)
              or, entries pre-sorted by destination row, a gather per row   (maxsim_bwd_dd_sparse_kernel, opt-in)
-             or, each document's entries sorted (maxsim_bwd_dd_sort_kernel), each block of its tokens' one-hot over
-               its own entries only (maxsim_bwd_dd_sorted_blocks_kernel; the default for long documents)
   The one-hot weights G go to the tensor cores in the inputs' dtype (rounded to it, as PyTorch's 16-bit autograd
   rounds the gradient); with fp32 gradients asked for, as two 16-bit parts (hi + lo): G kept whole.
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
@@ -185,6 +186,69 @@ def maxsim_bwd_dd_sparse_kernel(
 
 
 @triton.jit
+def maxsim_bwd_dq_gather_kernel(
+    G, D, OFFSETS, AUX, DQ,
+    Nq, Lq, d, Ld, C, K, n_rblocks, cols_per_split,
+    stride_gn, stride_gc,
+    stride_dt, stride_dl, stride_dd,
+    stride_an, stride_ac, stride_al,
+    stride_os, stride_on, stride_ol, stride_od,
+    PAIRED: tl.constexpr, RAGGED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
+):
+    """Hard-max dQ as a gather, COLS columns at a time: program pid sums ``G[q, col] * D[doc(q, col), j]`` over a
+    range of columns for ROWS query rows ``(q, i)`` (flat ``q * Lq + i``) and one BLOCK_D slice of the features,
+    ROWS * COLS document rows gathered per step (the row-at-a-time loop of ``_dq_program`` keeps ~one gather per
+    row in flight: latency-bound). Each (row, column slot) keeps its own fp32 sum, added across slots once at the
+    end: a fixed order (deterministic). The next step's arg-max and gradient are loaded a step ahead, so each
+    step waits on one load latency, not two."""
+    pid = tl.program_id(0).to(tl.int64)
+    kc = pid % D_CHUNKS
+    rest = pid // D_CHUNKS
+    rb = rest % n_rblocks
+    cs = rest // n_rblocks
+    r = rb * ROWS + tl.arange(0, ROWS)
+    row_ok = r < Nq * Lq
+    q = r // Lq
+    i = r % Lq
+    feats = kc * BLOCK_D + tl.arange(0, BLOCK_D)
+    f_ok = feats < d
+    c_lo = cs * cols_per_split
+    c_hi = tl.minimum(c_lo + cols_per_split, C)
+    slots = tl.arange(0, COLS)
+    g_row = G + q[:, None] * stride_gn
+    a_row = AUX + q[:, None] * stride_an + i[:, None] * stride_al
+
+    c = c_lo + slots
+    ok = row_ok[:, None] & (c < c_hi)[None, :]
+    g = tl.load(g_row + c[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
+    j = tl.load(a_row + c[None, :] * stride_ac, mask=ok, other=-1)
+    acc = tl.zeros((ROWS, COLS, BLOCK_D), dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, COLS):
+        # the document rows of this step, and the arg-max and gradient of the next one
+        if PAIRED:
+            t = q[:, None] * K + (c0 + slots)[None, :]
+        else:
+            t = (c0 + slots)[None, :] + q[:, None] * 0
+        if RAGGED:
+            d_base = tl.load(OFFSETS + t, mask=ok, other=0) * stride_dl
+        else:
+            d_base = t * stride_dt
+        hit = j >= 0
+        rows = tl.load(D + (d_base + j.to(tl.int64) * stride_dl)[:, :, None] + feats[None, None, :] * stride_dd,
+                       mask=hit[:, :, None] & f_ok[None, None, :], other=0.0)
+        c_next = c0 + COLS + slots
+        ok = row_ok[:, None] & (c_next < c_hi)[None, :]
+        g_next = tl.load(g_row + c_next[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
+        j = tl.load(a_row + c_next[None, :] * stride_ac, mask=ok, other=-1)
+        acc += g[:, :, None] * rows.to(tl.float32)
+        g = g_next
+    out = tl.sum(acc, axis=1)
+    tl.store(DQ + cs * stride_os + q[:, None] * stride_on + i[:, None] * stride_ol + feats[None, :] * stride_od,
+             out.to(DQ.dtype.element_ty), mask=row_ok[:, None] & f_ok[None, :])
+
+
+@triton.jit
 def _accumulate_weighted_rows(acc, pt, q_rows, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                               G_SPLIT: tl.constexpr):
     """``acc += pt @ q_rows`` on the tensor cores, the weights ``pt`` (fp32) rounded to the rows' dtype, or, with
@@ -218,60 +282,45 @@ def _entry_row(e, q_of_doc, Lq, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def maxsim_bwd_dd_sort_kernel(
-    AUX, SORTED, BLOCKS,
-    Lq, K, n_entries,
-    stride_an, stride_ac, stride_al,
-    PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr,
-    NB_POW2: tl.constexpr,
-):
-    """The sorted hard-max dD's first launch, one program per document ``t``: its arg-max entries (entry ``e`` is
-    ``q * Lq + i``; ``i`` when ``PAIRED``, whose document ``t`` meets query ``t // K`` only) sorted by the keys
-    ``j * E_POW2 + e`` (``j = AUX[q, col, i]``, the token the entry's gradient goes to; bitonic, in registers), so
-    that each block of BLOCK_N tokens' entries lie together, in increasing ``e`` per token. Writes the sorted
-    entry ids to ``SORTED[t]`` and, per block of tokens, where its entries start and how many there are to
-    ``BLOCKS[t, 0]`` and ``BLOCKS[t, 1]`` (entries without gradient sort last, counted in no block)."""
-    t = tl.program_id(0).to(tl.int64)
-    q_of_doc, col = _query_and_column(t, K, PAIRED)
-    SENTINEL: tl.constexpr = 2147483647
-    e = tl.arange(0, E_POW2)
-    q, i = _entry_row(e, q_of_doc, Lq, PAIRED)
-    j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=e < n_entries, other=-1).to(tl.int32)
-    keys = tl.sort(tl.where(j >= 0, (j << LOG2_E) | e, SENTINEL))
-    bins = tl.where(keys == SENTINEL, NB_POW2 - 1, (keys >> LOG2_E) // BLOCK_N)
-    counts = tl.histogram(bins, NB_POW2)
-    tl.store(SORTED + t * E_POW2 + e, (keys & (E_POW2 - 1)).to(SORTED.dtype.element_ty))
-    blocks = tl.arange(0, NB_POW2)
-    tl.store(BLOCKS + t * (2 * NB_POW2) + blocks, tl.cumsum(counts, 0) - counts)
-    tl.store(BLOCKS + t * (2 * NB_POW2) + NB_POW2 + blocks, counts)
-
-
-@triton.jit
-def maxsim_bwd_dd_sorted_blocks_kernel(
-    G, Q, OFFSETS, AUX, SORTED, BLOCKS, DD,
-    Lq, d, Ld, K, n_blocks,
+def maxsim_bwd_dd_binned_kernel(
+    G, Q, OFFSETS, AUX, BINNED, DD,
+    Lq, d, Ld, K, n_entries, n_blocks,
     stride_gn, stride_gc,
     stride_qn, stride_ql, stride_qd,
     stride_an, stride_ac, stride_al,
     stride_odt, stride_odl, stride_odd,
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, E_POW2: tl.constexpr, NB_POW2: tl.constexpr,
+    CHUNK: tl.constexpr, E_POW2: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
 ):
-    """The sorted hard-max dD's second launch, one program per (document ``t``, block ``b`` of BLOCK_N tokens):
-    the block's rows are ``onehot^T @ Q_rows`` over CHUNK of its own sorted entries at a time (from
-    ``maxsim_bwd_dd_sort_kernel``) on the tensor cores: about ``n_entries`` rows of work per document, where the
-    dense kernel multiplies each block by all of them. Many small programs, so that each SM holds several and
-    their dependent loads (entry id, then its arg-max, gradient and query row) overlap. Fixed order:
-    deterministic. Every row of every block inside the document is written."""
+    """Hard-max dD in one launch, one program per (document ``t``, block ``b`` of BLOCK_N tokens): the program
+    reads all of the document's arg-max entries (entry ``e`` is ``q * Lq + i``; ``i`` when ``PAIRED``), keeps
+    those whose token falls in its block, in increasing ``e`` (a prefix sum gives each its place), and writes their
+    ids ``e`` (int16) to its own range of ``BINNED[t]`` (after the ids of the document's earlier blocks: the ranges
+    of a document's blocks do not overlap). After a barrier it multiplies the block's one-hot over CHUNK of those
+    entries at a time by their gathered query rows on the tensor cores: about ``n_entries`` rows of work per
+    document, where the dense kernel multiplies each block by all of them. Each entry's token is gathered again,
+    beside its gradient and query row (no longer a chain of dependent loads than keys carrying the token, for half
+    their scratch: ColPali B256 4 MiB). It replaced session 16's sort of each document's entries in a launch of its
+    own (40 us of the B64 + 7 negatives backward, 241 us of ColPali B256's). Fixed order: deterministic. Every row
+    of every block inside the document is written."""
     pid = tl.program_id(0)
     t = (pid // n_blocks).to(tl.int64)
     b = pid % n_blocks
     q_of_doc, col = _query_and_column(t, K, PAIRED)
     o_base, _, dlen = _doc_location(OFFSETS, t, stride_odt, stride_odl, 0, 0, Ld, RAGGED)
     if b * BLOCK_N < dlen:
-        lo = tl.load(BLOCKS + t * (2 * NB_POW2) + b)
-        count = tl.load(BLOCKS + t * (2 * NB_POW2) + NB_POW2 + b)
+        lo = b * BLOCK_N
+        e = tl.arange(0, E_POW2)
+        q, i = _entry_row(e, q_of_doc, Lq, PAIRED)
+        j = tl.load(AUX + q * stride_an + col * stride_ac + i * stride_al, mask=e < n_entries, other=-1).to(tl.int32)
+        mine = ((j >= lo) & (j < lo + BLOCK_N)).to(tl.int32)
+        start = tl.sum(((j >= 0) & (j < lo)).to(tl.int32), axis=0)
+        count = tl.sum(mine, axis=0)
+        place = start + tl.cumsum(mine, 0) - 1
+        tl.store(BINNED + t * E_POW2 + place, e.to(BINNED.dtype.element_ty), mask=mine != 0)
+        # the ids were written by other threads of this program: a CTA barrier makes them visible
+        tl.debug_barrier()
         local = tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < d
@@ -279,15 +328,16 @@ def maxsim_bwd_dd_sorted_blocks_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for k0 in range(0, count, CHUNK):
             ok = k0 + ks < count
-            ek = tl.load(SORTED + t * E_POW2 + lo + k0 + ks, mask=ok, other=0).to(tl.int32)
+            ek = tl.load(BINNED + t * E_POW2 + start + k0 + ks, mask=ok, other=0).to(tl.int32)
             qk, ik = _entry_row(ek, q_of_doc, Lq, PAIRED)
+            # past the block's entries: token -1, which matches no row of the block
             jk = tl.load(AUX + qk * stride_an + col * stride_ac + ik * stride_al, mask=ok, other=-1).to(tl.int32)
             g = tl.load(G + qk * stride_gn + col * stride_gc, mask=ok, other=0.0).to(tl.float32)
             q_rows = tl.load(Q + qk[:, None] * stride_qn + ik[:, None] * stride_ql + cols[None, :] * stride_qd,
                              mask=ok[:, None] & col_ok[None, :], other=0.0)
-            pt = tl.where((jk - b * BLOCK_N)[None, :] == local[:, None], g[None, :], 0.0)
+            pt = tl.where((jk - lo)[None, :] == local[:, None], g[None, :], 0.0)
             acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)
-        n = b * BLOCK_N + local
+        n = lo + local
         tl.store(DD + o_base + n[:, None].to(tl.int64) * stride_odl + cols[None, :] * stride_odd,
                  acc.to(DD.dtype.element_ty), mask=(n < dlen)[:, None] & col_ok[None, :])
 

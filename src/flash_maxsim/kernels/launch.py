@@ -15,14 +15,13 @@ queries' size). Nothing scales with Lq*Ld.
 """
 
 import math
-from typing import Optional
 
 import torch
 
 from . import _launcher
 from .._layout import aux_dtype
-from .backward import (maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sort_kernel, maxsim_bwd_dd_sorted_blocks_kernel,
-                       maxsim_bwd_dd_sparse_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
+from .backward import (maxsim_bwd_dd_binned_kernel, maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel,
+                       maxsim_bwd_dq_gather_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
 from .forward import maxsim_combine_slices_kernel, maxsim_fwd_kernel
 
 
@@ -567,48 +566,52 @@ def _combine_token_slices(row_max, row_sum, combine):
     return out
 
 
-def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: int) -> int:
-    """Split the column loop so that the dQ grid has a few programs per SM. Partial sums cost
+def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: int, per_sm: int = 4) -> int:
+    """Split the column loop so that the dQ grid has ``per_sm`` programs per SM. Partial sums cost
     ``splits * partial_bytes`` (fp32 Nq*Lq*d each), kept within ``budget_bytes``; summed in a fixed order."""
-    target = 4 * _sm_count()
+    target = per_sm * _sm_count()
     splits = 1
     while programs * splits < target and C // (splits * 2) >= 8 and (splits * 2) * partial_bytes <= budget_bytes:
         splits *= 2
     return splits
 
 
-# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "sorted" | "sparse" (hard max only);
-# DD_BLOCK_N, DD_WARPS, DD_STAGES, G_SPLIT (the dense and the sorted dD's block kernels); DQ_WARPS,
-# DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial sums; 0 = no split); RELOAD_TILE
-# (the smooth max's gradients load each streamed tile twice, once per product, as before session 19: an A/B).
+# Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "binned" | "sparse" (hard max only);
+# DD_BLOCK_N, DD_WARPS, DD_STAGES, DD_CHUNK, G_SPLIT (the dense and binned dD's block kernels); DQ_METHOD "rows" |
+# "gather" (hard max only; the launch of dQ's programs beside the dense dD's always takes "rows"), DQ_ROWS, DQ_COLS
+# (the gather's tile), DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial
+# sums; 0 = no split); RELOAD_TILE (the smooth max's gradients load each streamed tile twice, once per product, as
+# before session 19: an A/B).
 BACKWARD_OVERRIDES: dict = {}
 
-# "sorted" dD (kernels/backward.py): a document's arg-max entries sorted in registers by one program of 8 warps
-# (maxsim_bwd_dd_sort_kernel; 8192 of them in a program), then one program of 4 warps per block of 64 of its tokens
-# (maxsim_bwd_dd_sorted_blocks_kernel). Session 16 first ran both in one program per SM looping over documents
-# (B256 dD 0.857 ms): ncu found it latency-bound, 2 warps per scheduler waiting on each chunk's dependent loads
-# (run38/call3_ncu_sorted_dd_b256.txt), hence the blocks' own launch. More entries per document (in-batch
-# Nq * Lq > 8192) take the dense kernel
-SORTED_DD_MAX_ENTRIES = 8192
-SORTED_DD_BLOCK_N = 64
-# Where the sorted dD is the default (kernel_check --sweep on the device, two launches; backward = dQ + dD):
-# - documents of SORTED_DD_MIN_TOKENS or more: ColPali 32x1030 B256 dD 0.431 ms vs 1.825 dense, B64 0.036 vs 0.144
-#   (session 16, call 10; session 17, call 1);
-# - shorter ones with SORTED_DD_MIN_ENTRIES arg-max entries or more per document and enough documents to fill the
-#   sort's wave (2 programs per SM): ColBERT 32x300 B64 + 7 negatives (512 documents of 2048 entries) backward
-#   0.243 vs 0.336 ms. Below that the dense one, fused with dQ in one launch, is as fast or faster: B128 (128
-#   documents of 4096) 0.171 vs 0.170, KD 64 x 64 candidates (32 entries each) 0.270 vs 0.120 (session 17, call 1)
-SORTED_DD_MIN_TOKENS = 1024
-SORTED_DD_MIN_ENTRIES = 1024
+# The hard-max dQ in its own launch is a gather of DQ_GATHER_ROWS query rows x as many columns as keep its fp32 sums
+# at DQ_GATHER_ELEMENTS (64 registers a thread on 4 warps) per step (maxsim_bwd_dq_gather_kernel). Session 23,
+# device call 3, CUDA graphs, against the row-at-a-time kernel (one program of 254 registers per SM): dQ alone
+# ColBERT B64 + 7 negatives 0.051 vs 0.100 ms, B128 0.024 vs 0.055, ColPali B64 0.016 vs 0.088, B256 0.087 vs 0.186
+# (run44/call3_ab_bwd_graph.txt); 8 rows x 8 columns beat 4 x 16, 16 x 4, 2 x 32 and 8 x 16 on 8 warps
+DQ_GATHER_ROWS = 8
+DQ_GATHER_ELEMENTS = 8192
+
+# "binned" dD (kernels/backward.py, maxsim_bwd_dd_binned_kernel): one program of 4 warps per block of
+# BINNED_DD_BLOCK_N tokens of a document picks that block's entries out of the document's arg-max entries, all held
+# in its registers (at most BINNED_DD_MAX_ENTRIES: more entries per document, in-batch Nq * Lq > 8192, take the
+# dense kernel), then multiplies their one-hot by the gathered query rows. Where it is the default (session 23,
+# device call 3, CUDA graphs, dQ and dD; run44/call3_ab_bwd_graph.txt): documents of BINNED_DD_MIN_TOKENS or more
+# (ColPali 32x1030 B64 0.042 vs 0.122 ms, B256 0.407 vs 0.612, against session 16's sorted dD, itself 4x faster than
+# the dense one there) or of BINNED_DD_MIN_ENTRIES arg-max entries or more (ColBERT B64 + 7 negatives, 512 documents
+# of 2048 entries: 0.156 vs 0.235 against the sorted dD; B128, 128 documents of 4096: 0.087 vs 0.169 against the
+# dense dD fused with dQ). Below that the dense one, fused with dQ in one launch, is faster: KD 64 x 64 candidates
+# (32 entries each) 1.06-1.14x slower binned (session 23, call 2; 0.270 vs 0.120 ms for the sorted dD in session 17)
+BINNED_DD_MAX_ENTRIES = 8192
+BINNED_DD_BLOCK_N = 64
+BINNED_DD_MIN_TOKENS = 1024
+BINNED_DD_MIN_ENTRIES = 1024
 
 
-def default_dd_method(longest: int, entries_per_document: int, n_documents: int, sms: Optional[int] = None) -> str:
-    """The hard max's dD kernel when no override picks one, on a GPU of ``sms`` SMs (default: this one's): "sorted"
-    or "dense" (the measurements above)."""
-    if longest >= SORTED_DD_MIN_TOKENS:
-        return "sorted"
-    if entries_per_document >= SORTED_DD_MIN_ENTRIES and n_documents >= 2 * (sms or _sm_count()):
-        return "sorted"
+def default_dd_method(longest: int, entries_per_document: int) -> str:
+    """The hard max's dD kernel when no override picks one: "binned" or "dense" (the measurements above)."""
+    if longest >= BINNED_DD_MIN_TOKENS or entries_per_document >= BINNED_DD_MIN_ENTRIES:
+        return "binned"
     return "dense"
 
 
@@ -655,9 +658,9 @@ class _BackwardPlan:
     """Everything a backward's launches take that is fixed by shapes, strides, dtypes, flags and tuning
     choices (cached per key like the forward's plan: building it is ~35 us of Python, several times a small
     step's launch cost). The tensors, and the strides of the outputs allocated per call, are added at launch."""
-    __slots__ = ("n_cs", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid", "dd_scalars",
-                 "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e", "fused", "fused_grid", "fused_scalars",
-                 "fused_meta", "fused_meta_key", "sort_grid", "sort_scalars", "sort_meta", "sort_meta_key")
+    __slots__ = ("n_cs", "dq_method", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid",
+                 "dd_scalars", "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e", "fused", "fused_grid",
+                 "fused_scalars", "fused_meta", "fused_meta_key", "binned_shape")
 
 
 _BACKWARD_PLANS: dict = {}
@@ -697,13 +700,11 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         flags["RELOAD_TILE"] = True
     n_entries = Lq if candidates else Nq * Lq          # arg-max entries per document
     longest = Ld if offsets is None else max_len
-    default_dd = default_dd_method(longest, n_entries, T)
+    default_dd = default_dd_method(longest, n_entries)
     dd_method = ("dense" if smooth else BACKWARD_OVERRIDES.get("DD_METHOD", default_dd)) if need_dd else None
-    e_pow2 = _pow2(max(n_entries, 16))                  # the sorted dD's keys per document
-    log2_e = e_pow2.bit_length() - 1
-    if dd_method == "sorted" and not (d_chunks == 1 and e_pow2 <= SORTED_DD_MAX_ENTRIES
-                                      and (max(longest, 1) << log2_e) < 2**31 - 1):
-        # the sort holds a document's entries in registers, and its keys pack (token, entry) in 31 bits
+    e_pow2 = _pow2(max(n_entries, 16))                  # the binned dD's entry ids per document
+    if dd_method == "binned" and not (d_chunks == 1 and e_pow2 <= BINNED_DD_MAX_ENTRIES):
+        # the binning holds a document's entries in registers
         dd_method = "dense"
     dq_warps = BACKWARD_OVERRIDES.get("DQ_WARPS", 4)
     # dense dD: smooth max recomputes every similarity tile, so 128-token blocks on 8 warps halve the query-row
@@ -718,10 +719,23 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                  and BACKWARD_OVERRIDES.get("FUSED", True))
     plan.fused = fused
     plan.n_cs = 0
+    plan.dq_method = None
     if need_dq:
+        dq_method = "rows" if (fused or smooth) else BACKWARD_OVERRIDES.get("DQ_METHOD", "gather")
+        if dq_method not in ("rows", "gather"):
+            raise ValueError(f"BACKWARD_OVERRIDES['DQ_METHOD'] must be 'rows' or 'gather', got {dq_method!r}")
+        plan.dq_method = dq_method
         n_splits = _cdiv(Lq, tokb)
         n_qblocks = Nq if candidates else _cdiv(Nq, qpb)
         base_programs = n_qblocks * n_splits * d_chunks
+        if dq_method == "gather":
+            # features in one slice up to 256 (no tensor-core tiling here), else slices of 128
+            gather_d = max(16, _pow2(d)) if d <= 256 else 128
+            g_chunks = _cdiv(d, gather_d)
+            g_rows = BACKWARD_OVERRIDES.get("DQ_ROWS", DQ_GATHER_ROWS)
+            g_cols = BACKWARD_OVERRIDES.get("DQ_COLS", max(1, DQ_GATHER_ELEMENTS // (g_rows * gather_d)))
+            n_rblocks = _cdiv(Nq * Lq, g_rows)
+            base_programs = n_rblocks * g_chunks
         # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
         partial = Nq * Lq * d * 4
         # no split over at most 64 columns: the unsplit loop is short, and the split's partial sums, their sum and
@@ -735,14 +749,24 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             # ColPali B256 3.171 ms 71 MB vs 3.182 ms 83 MB; B64 + 7 negatives, 512 columns, 0.889 / 0.879 unsplit vs
             # 0.623 / 0.609 split)
             budget = 0 if C <= 256 else budget
-        n_cs = _dq_column_splits(base_programs, C, partial, BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", budget))
+        # the gather's programs keep 64 document rows in flight each: 2 per SM before splitting the columns
+        n_cs = _dq_column_splits(base_programs, C, partial, BACKWARD_OVERRIDES.get("DQ_PARTIAL_BYTES", budget),
+                                 2 if dq_method == "gather" else 4)
         cols_per_split = _cdiv(C, n_cs)
         plan.n_cs = n_cs = _cdiv(C, cols_per_split)
         plan.dq_grid = (base_programs * n_cs,)
-        dq_sizes = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split)
-        plan.dq_scalars = (*dq_sizes, *strides)
-        plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=dq_warps,
-                            num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
+        if dq_method == "gather":
+            plan.dq_scalars = (Nq, Lq, d, Ld, C, max(candidates, 1), n_rblocks, cols_per_split,
+                               grad.stride(0), grad.stride(1), sdt, sdl, sdd, aux.stride(0), aux.stride(1),
+                               aux.stride(2))
+            plan.dq_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, ROWS=g_rows, COLS=g_cols,
+                                BLOCK_D=gather_d, D_CHUNKS=g_chunks, num_warps=dq_warps,
+                                num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 1))
+        else:
+            dq_sizes = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split)
+            plan.dq_scalars = (*dq_sizes, *strides)
+            plan.dq_meta = dict(flags, BLOCK_N=block_n, num_warps=dq_warps,
+                                num_stages=BACKWARD_OVERRIDES.get("DQ_STAGES", 2))
         plan.dq_meta_key = tuple(plan.dq_meta.items())
     plan.dd_method = dd_method
     # hard max, 16-bit inputs, fp32 gradients asked for: the upstream gradient multiplied as two 16-bit parts, whole
@@ -762,27 +786,22 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             plan.dd_meta = dict(flags, BLOCK_N=dd_block_n, num_warps=dd_warps,
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1), G_SPLIT=g_split)
             plan.dd_meta_key = tuple(plan.dd_meta.items())
-        elif dd_method == "sorted":
-            sorted_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", SORTED_DD_BLOCK_N)
-            n_blocks = _cdiv(longest, sorted_block_n)
-            nb_pow2 = _pow2(n_blocks + 1)       # the last bin counts the entries without gradient
-            plan.sort_grid = (T,)
-            plan.sort_scalars = (Lq, max(candidates, 1), n_entries, aux.stride(0), aux.stride(1), aux.stride(2))
-            plan.sort_meta = dict(PAIRED=bool(candidates), BLOCK_N=sorted_block_n, E_POW2=e_pow2, LOG2_E=log2_e,
-                                  NB_POW2=nb_pow2, num_warps=8, num_stages=1)
-            plan.sort_meta_key = tuple(plan.sort_meta.items())
+        elif dd_method == "binned":
+            binned_block_n = BACKWARD_OVERRIDES.get("DD_BLOCK_N", BINNED_DD_BLOCK_N)
+            n_blocks = _cdiv(longest, binned_block_n)
+            plan.binned_shape = (T, e_pow2)
             plan.dd_grid = (T * n_blocks,)
-            plan.dd_scalars = (Lq, d, Ld, max(candidates, 1), n_blocks, grad.stride(0), grad.stride(1),
+            plan.dd_scalars = (Lq, d, Ld, max(candidates, 1), n_entries, n_blocks, grad.stride(0), grad.stride(1),
                                queries.stride(0), queries.stride(1), queries.stride(2),
                                aux.stride(0), aux.stride(1), aux.stride(2))
-            plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=sorted_block_n,
-                                BLOCK_D=block_d, CHUNK=64, E_POW2=e_pow2, NB_POW2=nb_pow2, UPCAST=upcast,
-                                PRECISION=precision, G_SPLIT=g_split,
+            plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=binned_block_n,
+                                BLOCK_D=block_d, CHUNK=BACKWARD_OVERRIDES.get("DD_CHUNK", 64), E_POW2=e_pow2,
+                                UPCAST=upcast, PRECISION=precision, G_SPLIT=g_split,
                                 num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method != "sparse":
-            raise ValueError("BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense', 'sorted' or 'sparse', "
+            raise ValueError("BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense', 'binned' or 'sparse', "
                              f"got {dd_method!r}")
     if fused:
         plan.fused_grid = (plan.dq_grid[0] + plan.dd_grid[0],)
@@ -824,10 +843,10 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     Extra memory: dQ partial sums (n_csplits * Nq * Lq * d fp32, n_csplits <= 16, only when the grid would
     otherwise be small; beside dD in the single launch, freed before it otherwise); hard-max dD with
-    DD_METHOD="sorted" (the default where default_dd_method picks it): each document's sorted entry ids,
+    DD_METHOD="binned" (the default where default_dd_method picks it): each document's entry ids grouped by block,
     documents x E_POW2 int16 (E_POW2 = the entries per document, Nq * Lq in-batch or Lq per candidate, rounded up to
-    a power of two; ColPali B256: 4 MiB) and its blocks' starts and counts (documents x 2 x NB_POW2 int32); with
-    DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq entry, plus the sort's own buffers)."""
+    a power of two; ColPali B256: 4 MiB); with DD_METHOD="sparse": the sorted entry list (~16 bytes per Nq*C*Lq
+    entry, plus the sort's own buffers)."""
     device = queries.device
     grad = grad.float()
     key = (grad.shape, grad.stride(), queries.shape, queries.stride(), queries.dtype, documents.shape,
@@ -858,9 +877,14 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
 
     if need_dq:
         dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype)
-        _launcher.launch(maxsim_bwd_dq_kernel, plan.dq_grid,
-                         (grad, queries, documents, qmask, dmask, offs, aux, target),
-                         (*plan.dq_scalars, *target.stride(), plan.inv_tau_log2e), plan.dq_meta, plan.dq_meta_key)
+        if plan.dq_method == "gather":
+            _launcher.launch(maxsim_bwd_dq_gather_kernel, plan.dq_grid, (grad, documents, offs, aux, target),
+                             (*plan.dq_scalars, *target.stride()), plan.dq_meta, plan.dq_meta_key)
+        else:
+            _launcher.launch(maxsim_bwd_dq_kernel, plan.dq_grid,
+                             (grad, queries, documents, qmask, dmask, offs, aux, target),
+                             (*plan.dq_scalars, *target.stride(), plan.inv_tau_log2e), plan.dq_meta,
+                             plan.dq_meta_key)
         dq = _summed_dq(dq, target, dq_dtype)
         del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
 
@@ -871,18 +895,14 @@ def backward(grad, queries, documents, queries_mask, documents_mask, offsets, ma
                 _launcher.launch(maxsim_bwd_dd_dense_kernel, plan.dd_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, dd),
                                  (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta, plan.dd_meta_key)
-        elif plan.dd_method == "sorted":
+        elif plan.dd_method == "binned":
             dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
             if plan.dd_grid[0] > 0:
-                # each document's sorted entry ids (int16: at most SORTED_DD_MAX_ENTRIES) and its blocks' starts and
-                # counts: documents x (2 E_POW2 + 8 NB_POW2) bytes (ColPali B256: 4 MiB)
-                n_docs = plan.sort_grid[0]
-                sorted_ids = torch.empty((n_docs, plan.sort_meta["E_POW2"]), dtype=torch.int16, device=device)
-                blocks = torch.empty((n_docs, 2, plan.sort_meta["NB_POW2"]), dtype=torch.int32, device=device)
-                _launcher.launch(maxsim_bwd_dd_sort_kernel, plan.sort_grid, (aux, sorted_ids, blocks),
-                                 plan.sort_scalars, plan.sort_meta, plan.sort_meta_key)
-                _launcher.launch(maxsim_bwd_dd_sorted_blocks_kernel, plan.dd_grid,
-                                 (grad, queries, offs, aux, sorted_ids, blocks, dd),
+                # each document's entry ids grouped by block of tokens: documents x E_POW2 int16 (E_POW2 = the
+                # entries per document rounded up to a power of two, at most BINNED_DD_MAX_ENTRIES)
+                binned = torch.empty(plan.binned_shape, dtype=torch.int16, device=device)
+                _launcher.launch(maxsim_bwd_dd_binned_kernel, plan.dd_grid,
+                                 (grad, queries, offs, aux, binned, dd),
                                  (*plan.dd_scalars, *out_strides), plan.dd_meta, plan.dd_meta_key)
         else:
             dd = torch.zeros(documents.shape, dtype=dd_dtype, device=device)
