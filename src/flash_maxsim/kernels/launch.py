@@ -588,7 +588,8 @@ BACKWARD_OVERRIDES: dict = {}
 # at DQ_GATHER_ELEMENTS (64 registers a thread on 4 warps) per step (maxsim_bwd_dq_gather_kernel). Session 23,
 # device call 3, CUDA graphs, against the row-at-a-time kernel (one program of 254 registers per SM): dQ alone
 # ColBERT B64 + 7 negatives 0.051 vs 0.100 ms, B128 0.024 vs 0.055, ColPali B64 0.016 vs 0.088, B256 0.087 vs 0.186
-# (run44/call3_ab_bwd_graph.txt); 8 rows x 8 columns beat 4 x 16, 16 x 4, 2 x 32 and 8 x 16 on 8 warps
+# (run44/call3_ab_bwd_graph.txt); 8 rows x 8 columns beat 4 x 16, 16 x 4 and 8 x 16 on 8 warps there, and 2 x 32 in
+# call 2 (eager launches, run44/call2_ab_bwd.txt)
 DQ_GATHER_ROWS = 8
 DQ_GATHER_ELEMENTS = 8192
 
