@@ -52,14 +52,14 @@ VARIANTS = [_G, {**_G, "DQ_STAGES": 2}, {**_G, "DQ_ROWS": 2}, {**_G, "DQ_ROWS": 
 
 
 def time_entries(entries, wants, rounds: int, graph: bool, tol: float = 1e-2) -> dict:
-    """``label -> [ms per round]`` for ``entries`` of ``(label, part, run, before)``: ``run(check)`` launches the
+    """``part -> {label -> [ms per round]}`` for ``entries`` of ``(label, part, run, before)``: ``run(check)`` launches the
     backward and, with ``check``, returns its gradients flattened to fp32 (compared with ``wants[part]`` before the
     first round); ``before`` (or None) sets the entry's overrides. With ``graph``, each entry's launches are captured
     once in a CUDA graph and its replay is timed. An entry that fails is timed as inf under a label naming the
     error."""
     import triton.testing
     from train_host_probe import graphed
-    timed, times = {}, {}
+    timed, times = {}, {part: {} for part in wants}
     for label, part, run, before in entries:
         if before is not None:
             before()
@@ -69,14 +69,15 @@ def time_entries(entries, wants, rounds: int, graph: bool, tol: float = 1e-2) ->
             if not err <= tol:
                 raise AssertionError(f"gradients differ from the baseline's (relative {err:.1e})")
             fn = lambda run=run: run(False)  # noqa: E731
-            timed[label] = (graphed(fn).replay if graph else fn, before)
+            timed[part, label] = (graphed(fn).replay if graph else fn, before)
         except Exception as exc:
-            times[f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"] = [float("inf")]
+            times[part][f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"] = [float("inf")]
     for _ in range(rounds):
-        for label, (fn, before) in timed.items():
+        for (part, label), (fn, before) in timed.items():
             if before is not None:
                 before()
-            times.setdefault(label, []).append(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+            times[part].setdefault(label, []).append(
+                triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
     return times
 
 
@@ -135,17 +136,16 @@ def main(argv=None) -> int:
         entries = [(label, "both", runner(lm, "both"), None if v is None else overrides(v))
                    for label, lm, v in labelled]
         if args.parts is not None:
-            shown = {f"base {revision}", "default"} | {f"{i} {VARIANTS[int(i)]}" for i in args.parts.split(",") if i}
+            shown = [(f"base {revision}", base, None), ("default", launch, {})]
+            shown += [(f"{i} {VARIANTS[int(i)]}", launch, VARIANTS[int(i)]) for i in args.parts.split(",") if i]
             for part in ("dQ", "dD"):
                 entries += [(f"{part} {label}", part, runner(lm, part), None if v is None else overrides(v))
-                            for label, lm, v in labelled if label in shown]
+                            for label, lm, v in shown]
         wants = {part: runner(base, part)(True) for part in ("both", "dQ", "dD")}
         times = time_entries(entries, wants, args.rounds, args.graph)
         launch.BACKWARD_OVERRIDES.clear()
         print(f"--- {name} (backward alone, ms; ratio to the baseline's):", flush=True)
-        for part in ("both", "dQ", "dD"):
-            sub = {k: v for k, v in times.items()
-                   if (k.split(" ", 1)[0] if k.startswith(("dQ ", "dD ")) else "both") == part}
+        for part, sub in times.items():
             if sub:
                 ref = next((k for k in sub if f"base {revision}" in k), None)
                 print(f"  {part}: {ranked_line(sub, ref)}", flush=True)

@@ -726,9 +726,6 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         if dq_method not in ("rows", "gather"):
             raise ValueError(f"BACKWARD_OVERRIDES['DQ_METHOD'] must be 'rows' or 'gather', got {dq_method!r}")
         plan.dq_method = dq_method
-        n_splits = _cdiv(Lq, tokb)
-        n_qblocks = Nq if candidates else _cdiv(Nq, qpb)
-        base_programs = n_qblocks * n_splits * d_chunks
         if dq_method == "gather":
             # features in one slice up to 256 (no tensor-core tiling here), else slices of 128
             gather_d = max(16, _pow2(d)) if d <= 256 else 128
@@ -737,6 +734,10 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             g_cols = BACKWARD_OVERRIDES.get("DQ_COLS", max(1, DQ_GATHER_ELEMENTS // (g_rows * gather_d)))
             n_rblocks = _cdiv(Nq * Lq, g_rows)
             base_programs = n_rblocks * g_chunks
+        else:
+            n_splits = _cdiv(Lq, tokb)
+            n_qblocks = Nq if candidates else _cdiv(Nq, qpb)
+            base_programs = n_qblocks * n_splits * d_chunks
         # partial sums may use as much memory as the queries' fp32 gradient itself, and at least 8 MiB
         partial = Nq * Lq * d * 4
         # no split over at most 64 columns: the unsplit loop is short, and the split's partial sums, their sum and
