@@ -48,7 +48,14 @@ VARIANTS = [_G, {**_G, "DQ_STAGES": 2}, {**_G, "DQ_ROWS": 2}, {**_G, "DQ_ROWS": 
             # 16-19 (after call 2, where 8 rows x 8 columns beat 4 x 16): 8 x 8 with the binned dD, and its 32-entry
             # chunks; 16 x 4; 8 x 16 on 8 warps
             {**_G, "DQ_ROWS": 8, **_B}, {**_G, "DQ_ROWS": 8, **_B, "DD_CHUNK": 32},
-            {**_G, "DQ_ROWS": 16, **_B}, {**_G, "DQ_ROWS": 8, "DQ_COLS": 16, "DQ_WARPS": 8, **_B}]
+            {**_G, "DQ_ROWS": 16, **_B}, {**_G, "DQ_ROWS": 8, "DQ_COLS": 16, "DQ_WARPS": 8, **_B},
+            # 20 (session 24): the binned dD's registers capped at 128, for 4 programs of 4 warps per SM instead of 3
+            # (167 registers uncapped; offline sm_90 at 128: 136 B of stack at B64 + 7 negatives, 224 at B256, 536
+            # instructions per chunk loop against 516): the default since (run45/call2_ab_dd_cap.txt); 21: uncapped
+            {**_B, "DD_MAXNREG": 128}, {**_B, "DD_MAXNREG": 0},
+            # 22 (session 25): capped at 96, for 5 programs per SM: 1.05-1.31x the cap of 128's dD on 13 of 14 shapes
+            # (0.99 on ColPali B256). A cap of 80 (6 per SM) stopped ptxas with an internal error on every shape.
+            {**_B, "DD_MAXNREG": 96}]
 
 
 def time_entries(entries, wants, rounds: int, graph: bool, tol: float = 1e-2) -> dict:
@@ -91,6 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=None, help="also time dQ alone and dD alone, for the baseline, the default "
                     "and these variants (indices, comma-separated; '' for none of them)")
     ap.add_argument("--graph", action="store_true", help="time each entry's launches replayed from a CUDA graph")
+    ap.add_argument("--shape", action="append", default=[], metavar="Nq,T,Lq,Ld,K",
+                    help="time this shape instead of the benchmark's rows (repeatable; T documents in-batch, or K "
+                    "candidates per query when K > 0)")
     args = ap.parse_args(argv)
     sys.path[:0] = [args.base, HERE]
     from ab_forward import ranked_line
@@ -104,7 +114,14 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     print(f"baseline {revision}; variants {list(picked)}; {args.rounds} rounds; "
           f"{'CUDA graphs' if args.graph else 'eager launches'}", flush=True)
-    for name, Nq, T, Lq, Ld, K in ROWS:
+    rows = ROWS
+    if args.shape:
+        rows = []
+        for spec in args.shape:
+            Nq, T, Lq, Ld, K = (int(x) for x in spec.split(","))
+            rows.append((f"Nq {Nq}, " + (f"{K} candidates each" if K else f"{T} documents") + f", {Lq}x{Ld}",
+                         Nq, T, Lq, Ld, K))
+    for name, Nq, T, Lq, Ld, K in rows:
         if wanted and not any(w in name for w in wanted):
             continue
         q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16)

@@ -814,3 +814,26 @@ def test_hard_max_dd_is_binned_for_long_documents_or_many_entries_and_fused_with
                                                                        kernels.maxsim_bwd_dd_binned_kernel]
     assert kernels_launched(DD_METHOD="dense", FUSED=False) == [kernels.maxsim_bwd_dq_gather_kernel,
                                                                 kernels.maxsim_bwd_dd_dense_kernel]
+
+
+def test_binned_dd_register_cap_reaches_its_launch(monkeypatch):
+    """The binned dD's registers are capped through Triton's ``maxnreg`` at BINNED_DD_MAXNREG (4 programs per SM,
+    session 24); BACKWARD_OVERRIDES["DD_MAXNREG"] changes the cap, 0 removes it; the dQ launch never has one."""
+    from flash_maxsim.kernels import launch
+    metas = []
+    monkeypatch.setattr(launch._launcher, "launch", lambda kernel, grid, tensors, scalars, meta, *keys, **kw:
+                        metas.append((kernel, dict(meta))))
+    queries, documents = torch.randn(2, 8, 32), torch.randn(3, 1024, 32)
+    aux = torch.zeros(2, 3, 8, dtype=torch.int16)
+
+    def binned_meta(**overrides):
+        metas.clear()
+        monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
+        monkeypatch.setattr(launch, "BACKWARD_OVERRIDES", dict(overrides))
+        launch.backward(torch.randn(2, 3), queries, documents, None, None, None, 1024, aux, 0, None, True, True)
+        assert [k for k, _ in metas] == [launch.maxsim_bwd_dq_gather_kernel, launch.maxsim_bwd_dd_binned_kernel]
+        assert "maxnreg" not in metas[0][1]
+        return metas[1][1]
+    assert binned_meta()["maxnreg"] == launch.BINNED_DD_MAXNREG == 128
+    assert binned_meta(DD_MAXNREG=96)["maxnreg"] == 96
+    assert "maxnreg" not in binned_meta(DD_MAXNREG=0)

@@ -577,7 +577,8 @@ def _dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: i
 
 
 # Backward choices, overridable for tuning sweeps: DD_METHOD "dense" | "binned" | "sparse" (hard max only);
-# DD_BLOCK_N, DD_WARPS, DD_STAGES, DD_CHUNK, G_SPLIT (the dense and binned dD's block kernels); DQ_METHOD "rows" |
+# DD_BLOCK_N, DD_WARPS, DD_STAGES, DD_CHUNK, G_SPLIT (the dense and binned dD's block kernels), DD_MAXNREG (the
+# binned dD's register cap, BINNED_DD_MAXNREG by default; 0 = none); DQ_METHOD "rows" |
 # "gather" (hard max only; the launch of dQ's programs beside the dense dD's always takes "rows"), DQ_ROWS, DQ_COLS
 # (the gather's tile), DQ_WARPS, DQ_STAGES; DQ_PARTIAL_BYTES (memory cap of the dQ column splits' fp32 partial
 # sums; 0 = no split); RELOAD_TILE (the smooth max's gradients load each streamed tile twice, once per product, as
@@ -607,6 +608,15 @@ BINNED_DD_MAX_ENTRIES = 8192
 BINNED_DD_BLOCK_N = 64
 BINNED_DD_MIN_TOKENS = 1024
 BINNED_DD_MIN_ENTRIES = 1024
+# its registers capped at 128 (167 uncapped): 4 programs of 4 warps per SM instead of 3, for a kernel that waits on
+# latency (run 44 `ncu`: 0.5 instructions issued per cycle and scheduler), at the cost of a small spill (offline
+# sm_90: 136 B of stack at B64 + 7 negatives, 224 at B256; 536 instructions per chunk loop against 516). Session 24,
+# run45/call2_ab_dd_cap.txt, CUDA graphs, 5 rounds, dD alone: B64 + 7 negatives 0.105 vs 0.112 ms, ColPali B256
+# 0.262 vs 0.333 (backward 0.153 vs 0.159, 0.346 vs 0.415). Sessions 25-26 swept 14 shapes (run46/call2_dd_cap_sweep.txt):
+# 0.79-0.96 of the uncapped dD on 10, within 1.5% on 2, 1.046 at B32 x 300 and 1.038 at B128 x 300 (+0.6 and +2.4 us;
+# grids of 1 and 2 waves either way). A rule by waves would mispredict B32 and B64 x 1030 (0.96, 0.95 capped), so the
+# cap holds for every shape; 96 registers was slower on 13 of the 14
+BINNED_DD_MAXNREG = 128
 
 
 def default_dd_method(longest: int, entries_per_document: int) -> str:
@@ -801,6 +811,9 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
                                 UPCAST=upcast, PRECISION=precision, G_SPLIT=g_split,
                                 num_warps=BACKWARD_OVERRIDES.get("DD_WARPS", 4),
                                 num_stages=BACKWARD_OVERRIDES.get("DD_STAGES", 1))
+            maxnreg = BACKWARD_OVERRIDES.get("DD_MAXNREG", BINNED_DD_MAXNREG)
+            if maxnreg:
+                plan.dd_meta["maxnreg"] = maxnreg
             plan.dd_meta_key = tuple(plan.dd_meta.items())
         elif dd_method != "sparse":
             raise ValueError("BACKWARD_OVERRIDES['DD_METHOD'] must be 'dense', 'binned' or 'sparse', "
