@@ -37,17 +37,12 @@ def fake_quantize(values: torch.Tensor, group: int, kind: str) -> torch.Tensor:
         scale = amax / 448.0                                   # e4m3's largest finite value
         q = (v / scale).to(torch.float8_e4m3fn).float() * scale
     elif kind == "fp8-search":
-        best, best_err = None, None
+        q, q_err = v, torch.full_like(amax, float("inf"))
         for k in range(SEARCH_STEPS):                          # larger scales only leave e4m3's range unused
             scale = amax / 448.0 * 2.0 ** (k / SEARCH_STEPS)
             cand = (v / scale).to(torch.float8_e4m3fn).float() * scale
             err = (cand - v).pow(2).sum(-1, keepdim=True)
-            if best is None:
-                best, best_err = cand, err
-            else:
-                better = err < best_err
-                best, best_err = torch.where(better, cand, best), torch.minimum(err, best_err)
-        q = best
+            q, q_err = torch.where(err < q_err, cand, q), torch.minimum(err, q_err)
     else:
         scale = amax / 127.0
         q = torch.round(v / scale).clamp(-127, 127) * scale

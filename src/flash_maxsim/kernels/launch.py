@@ -612,10 +612,10 @@ BINNED_DD_MIN_ENTRIES = 1024
 # latency (run 44 `ncu`: 0.5 instructions issued per cycle and scheduler), at the cost of a small spill (offline
 # sm_90: 136 B of stack at B64 + 7 negatives, 224 at B256; 536 instructions per chunk loop against 516). Session 24,
 # run45/call2_ab_dd_cap.txt, CUDA graphs, 5 rounds, dD alone: B64 + 7 negatives 0.105 vs 0.112 ms, ColPali B256
-# 0.262 vs 0.333 (backward 0.153 vs 0.159, 0.346 vs 0.415). Sessions 25-26 swept 14 shapes (run46/call2_dd_cap_sweep.txt):
-# 0.79-0.96 of the uncapped dD on 10, within 1.5% on 2, 1.046 at B32 x 300 and 1.038 at B128 x 300 (+0.6 and +2.4 us;
-# grids of 1 and 2 waves either way). A rule by waves would mispredict B32 and B64 x 1030 (0.96, 0.95 capped), so the
-# cap holds for every shape; 96 registers was slower on 13 of the 14
+# 0.262 vs 0.333 (backward 0.153 vs 0.159, 0.346 vs 0.415). Sessions 25-26 swept 14 shapes
+# (run46/call2_dd_cap_sweep.txt): 0.79-0.96 of the uncapped dD on 10, within 1.5% on 2, 1.046 at B32 x 300 and
+# 1.038 at B128 x 300 (+0.6 and +2.4 us; grids of 1 and 2 waves either way). A rule by waves would mispredict B32
+# and B64 x 1030 (0.96, 0.95 capped), so the cap holds for every shape; 96 registers was slower on 13 of the 14
 BINNED_DD_MAXNREG = 128
 
 
