@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import os
 import statistics
@@ -318,6 +319,8 @@ def main(argv=None) -> int:
                     "temperature and throttle reasons during it (nvidia-smi sampled every 20 ms: gpu_clocks.py)")
     ap.add_argument("--ceiling", action="store_true", help="time the baseline without checking its scores: a "
                     "deliberately wrong copy (e.g. one with some work cut out) bounds what removing that work gains")
+    ap.add_argument("--fp32-scales", action="store_true", help="quantized rows: also time this checkout's default "
+                    "on the same index with its scales as fp32 (4 bytes a token, as before session 27) instead of bf16")
     ap.add_argument("--host", action="store_true", help="first, the host time of a launch with and without a TMA "
                     "descriptor, on a run of documents small enough to be host-bound")
     args = ap.parse_args(argv)
@@ -372,13 +375,19 @@ def run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, cl
             docs = fm.quantize(docs, dtype=kind)
         tau = 0.1 if kind == "smooth-train" else None
         p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=tau)
+        # the index as it was before its 2-byte scales (session 27): the same numbers as fp32 scales, which the
+        # baseline is given (a baseline before that session reads fp32 scales only)
+        p32 = p if p.document_scales is None else dataclasses.replace(p, document_scales=p.document_scales.float())
 
-        entries = ([("base", lambda: forward_scores(base_launch, p, training, tau), lambda: set_overrides({}))]
+        entries = ([("base", lambda: forward_scores(base_launch, p32, training, tau), lambda: set_overrides({}))]
                    if base_launch else [])
         entries += [("new " + (str(v) if v else "default"), lambda: forward_scores(launch, p, training, tau),
                      lambda v=v: set_overrides(v)) for v in variants]
+        if args.fp32_scales and p32 is not p:
+            entries.append(("new default, fp32 scales", lambda: forward_scores(launch, p32, training, tau),
+                            lambda: set_overrides({})))
         # the reference scores: this checkout's when the baseline is a deliberately wrong copy (--ceiling)
-        want = forward_scores(launch if args.ceiling else (base_launch or launch), p, training, tau)
+        want = forward_scores(launch if args.ceiling else (base_launch or launch), p32, training, tau)
         # fp8 rows: Hopper's fp8 tensor cores sum in fewer bits than fp32 (~2^-14 of the products' magnitude: docs/
         # semantics.md), so an fp8 path on other tensor-core instructions differs at ~1e-4 of the largest score
         times = time_interleaved(entries, want, args.rounds, 5e-4 if kind == "fp8" else 1e-5, clocks,

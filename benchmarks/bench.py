@@ -1018,7 +1018,7 @@ def run_compressed_rows(m: Machine, shapes, method_keys, peers, peer_missing, se
         Nq, B, Lq, Ld, d = shape.Nq, shape.B, shape.Lq, shape.Ld, shape.d
         elem = torch.tensor([], dtype=m.dtype).element_size()
         unquantised_bytes = B * Ld * d * elem
-        int8_bytes = B * Ld * (d + 4)                 # int8 values + one fp32 scale per token
+        int8_bytes = B * Ld * (d + 2)                 # int8 values + one bf16 scale per token (session 27)
         flops = 2 * Nq * B * Lq * Ld * d
         compute = {"bf16": m.mm_flops, "int8": rates.get("int8_mm_ops"), "fp8": rates.get("fp8_mm_flops")}
         row = {"name": shape.name, "Nq": Nq, "B": B, "Lq": Lq, "Ld": Ld, "d": d, "dtype": str(m.dtype),
@@ -1463,7 +1463,10 @@ def compressed_table(rows: list[dict]) -> list[str]:
 
 
 def compressed_floors_table(rows: list[dict]) -> list[str]:
-    head = ["shape", "GFLOP", "memory floor: unquantised index", "memory floor: int8 index (d + 4 B/token)",
+    # the int8 index's bytes per token as the run counted them (d + 4 with fp32 scales, before session 27)
+    scale_bytes = {row["int8_index_bytes"] // (row["B"] * row["Ld"]) - row["d"] for row in rows} or {2}
+    head = ["shape", "GFLOP", "memory floor: unquantised index",
+            f"memory floor: int8 index (d + {'/'.join(map(str, sorted(scale_bytes)))} B/token)",
             "compute floor at the bf16 rate", "at the int8 rate", "at the fp8 rate", "time target"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:

@@ -80,9 +80,13 @@ def _mask(*shape):
     return m
 
 
+# the quantized cases' scale dtype: bf16, as flash_maxsim.quantize stores them (--scale-dtype fp32: an older index)
+scale_dtype = BF16
+
+
 def _quantized(b, ld, d, kind="int8", mask=False):
     values = torch.empty(b, ld, d, dtype=torch.int8 if kind == "int8" else torch.float8_e4m3fn)
-    return fm.QuantizedDocuments(values=values, scales=torch.empty(b, ld, dtype=FP32),
+    return fm.QuantizedDocuments(values=values, scales=torch.empty(b, ld, dtype=scale_dtype),
                                  mask=_mask(b, ld) if mask else None, kind=kind)
 
 
@@ -425,7 +429,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, default=132, help="the target's SM count (tile choices depend on it)")
     ap.add_argument("--only", default="", help="only the cases whose name contains this text")
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--scale-dtype", choices=("bf16", "fp32"), default="bf16", help="the quantized documents' "
+                    "scales: bf16 (flash_maxsim.quantize's) or fp32 (an index made before session 27)")
     args = ap.parse_args(argv)
+    global scale_dtype
+    scale_dtype = BF16 if args.scale_dtype == "bf16" else FP32
     if launch.interpreting():
         print("offline_compile: unset TRITON_INTERPRET (the interpreter never compiles)", file=sys.stderr)
         return 2

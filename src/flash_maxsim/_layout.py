@@ -47,7 +47,7 @@ class Problem:
     max_length: int
     candidates: int
     single_query: bool
-    document_scales: Optional[torch.Tensor] = None   # quantized documents: fp32 per token, shaped like a mask
+    document_scales: Optional[torch.Tensor] = None   # quantized documents: bf16 / fp32 per token, shaped like a mask
 
     @property
     def num_columns(self) -> int:
@@ -248,6 +248,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         if tuple(scales.shape) != want or scales.device != device:
             raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}] on {scales.device}; "
                              f"expected [{', '.join(map(str, want))}] on {device}")
-        if scales.dtype != torch.float32:
+        if scales.dtype not in (torch.float32, torch.bfloat16):
+            # the kernels read bf16 (quantize's) or fp32 scales as they are
             scales = scales.to(torch.float32)
     return Problem(Q, qmask, docs, dmask, offsets, int(max_length), int(candidates), single, scales)

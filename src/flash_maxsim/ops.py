@@ -59,7 +59,7 @@ def _problem(queries, documents, queries_mask, documents_mask, offsets, max_leng
 def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
                  zero_masked, smooth_tau, save_aux, document_scales=None):
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``; None when
-    ``save_aux`` is False). ``document_scales`` (fp32, shaped like a documents mask) marks int8/fp8 documents:
+    ``save_aux`` is False). ``document_scales`` (bf16 or fp32, shaped like a documents mask) marks int8/fp8 documents:
     D = scale * values."""
     Nq, Lq, _ = queries.shape
     C = num_columns(documents, offsets, candidates)

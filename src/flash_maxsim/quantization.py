@@ -1,9 +1,13 @@
-"""Compressed document index: per-token symmetric INT8 (or FP8 e4m3) vectors with one fp32 scale per token.
+"""Compressed document index: per-token symmetric INT8 (or FP8 e4m3) vectors with one scale per token.
 
 ``D[t, j] ~= scale[t, j] * values[t, j]`` with ``scale = max_k |D[t, j, k]| / QMAX`` (QMAX = 127 for int8,
-448 for e4m3). Scoring (docs/semantics.md, "A compressed index"):
+448 for e4m3). An int8 index keeps that scale rounded up to a bf16 number (2 bytes; no value passes QMAX, and the
+quantisation step grows by at most 2^-7 of itself: bf16 keeps 8 significant bits); an fp8 index keeps it in fp32
+(its streaming kernel, at 254 registers, was ~3% slower reading 2-byte scales: docs/perf-notes.md, session 27).
+The kernels read either dtype for either format (an int8 index made before session 27 has fp32 scales).
+Scoring (docs/semantics.md, "A compressed index"):
 
-- d <= 256 (int8 or fp8): each query token is quantised the same way, to the index's format (in registers by the
+- d <= 256 (int8 or fp8): each query token is quantised to the index's format, with an fp32 scale (in registers by the
   forward kernel; by :func:`quantize_tokens` before the launch on the grid for long queries over many documents),
   the tensor cores multiply 8-bit x 8-bit (int8 into exact int32 sums; fp8 into fp32 sums), and similarity
   (i, j) is scaled by the query token's and the document token's scales. The score is that of the dequantised
@@ -13,7 +17,8 @@
   (exact: every int8 and e4m3 value is representable in bf16/fp16), multiplied on tensor cores with fp32
   accumulation, and column ``j`` is scaled by ``scale[t, j]``; the query is not quantised.
 
-Index bytes per token: d (values) + 4 (scale), against 2*d for bf16: 0.516x at d=128.
+Index bytes per token: d (values) + 2 (int8's scale) or 4 (fp8's), against 2*d for bf16: at d=128, 0.508x
+(int8) and 0.516x (fp8).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from ._layout import PackedDocuments
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
+# the index's scales (module docstring): 2 bytes where that reads faster (measured on the device), 4 elsewhere
+_INDEX_SCALE_DTYPE = {"int8": torch.bfloat16, "fp8": torch.float32}
 
 
 def _storage_dtype(kind: str) -> torch.dtype:
@@ -43,8 +50,10 @@ class QuantizedDocuments:
     """Quantised documents in one of the layouts :func:`flash_maxsim.maxsim` accepts.
 
     ``values``: int8 / float8_e4m3fn, ``[B, Ld, d]``, ``[Nq, K, Ld, d]`` or packed ``[sum Ld, d]``;
-    ``scales``: fp32 with the same shape minus the feature axis; ``offsets``: ``[B + 1]`` for the packed layout;
-    ``mask``: the documents mask given to :func:`quantize` (used when ``maxsim`` gets none).
+    ``scales``: bf16 or fp32 (:func:`quantize` makes bf16 for int8, fp32 for fp8), shaped like ``values`` minus
+    the feature axis;
+    ``offsets``: ``[B + 1]`` for the packed layout; ``mask``: the documents mask given to :func:`quantize` (used
+    when ``maxsim`` gets none).
     """
 
     values: torch.Tensor
@@ -57,8 +66,8 @@ class QuantizedDocuments:
     @property
     def nbytes(self) -> int:
         """Bytes of the index (values + scales + offsets + mask)."""
-        total = self.values.numel() * self.values.element_size() + self.scales.numel() * 4
-        for t in (self.offsets, self.mask):
+        total = 0
+        for t in (self.values, self.scales, self.offsets, self.mask):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
@@ -81,7 +90,7 @@ class QuantizedDocuments:
 
     def dequantize(self, dtype: torch.dtype = torch.float32):
         """The approximated documents in ``dtype``, in the layout they were given (packed -> PackedDocuments)."""
-        dense = (self.values.to(torch.float32) * self.scales[..., None]).to(dtype)
+        dense = (self.values.to(torch.float32) * self.scales.to(torch.float32)[..., None]).to(dtype)
         if self.offsets is not None:
             return PackedDocuments(dense, self.offsets, self.max_length)
         return dense
@@ -106,27 +115,45 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
         documents = values
     if not isinstance(documents, torch.Tensor) or not documents.is_floating_point():
         raise TypeError("`documents` must be a floating-point tensor, a list of them or PackedDocuments")
-    values, scales = quantize_tokens(documents, dtype)
+    values, scales = quantize_tokens(documents, dtype, scale_dtype=_INDEX_SCALE_DTYPE[dtype])
     return QuantizedDocuments(values, scales, offsets, documents_mask, max_length, dtype)
 
 
-def quantize_tokens(x: torch.Tensor, dtype: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, scales)``: every vector ``x[..., :]`` as ``scales[...] * values[..., :]``, one symmetric fp32 scale
-    per vector (0 for a zero vector, whose values are then 0)."""
+def _round_up_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """The least bf16 number >= each non-negative fp32 ``x`` (0 stays 0, inf and NaN stay): the fp32 bits with the
+    16 low ones carried up, then dropped (bf16 is the high half of fp32)."""
+    bits = x.view(torch.int32)
+    up = ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    return torch.where(x == x, up, x).to(torch.bfloat16)
+
+
+def quantize_tokens(x: torch.Tensor, dtype: str = "int8",
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: every vector ``x[..., :]`` as ``scales[...] * values[..., :]``, one symmetric scale
+    per vector (0 for a zero vector, whose values are then 0): ``amax / QMAX`` in fp32 (``scale_dtype`` fp32: how
+    the kernels quantise queries; an fp8 index), or that rounded up to bf16 (``scale_dtype`` bf16: an int8
+    index's 2-byte scales)."""
     storage = _storage_dtype(dtype)
+    if scale_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"`scale_dtype` must be torch.float32 or torch.bfloat16, got {scale_dtype}")
     x = x.detach().to(torch.float32)
     qmax = _QMAX[dtype]
     # divided by a tensor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor, which is
     # one rounding away from the IEEE quotient that the CPU, and the kernel quantising queries, compute (new_full:
     # no host-to-device copy, so this stays capturable in a CUDA graph)
     scales = x.abs().amax(-1) / x.new_full((), qmax)
+    if scale_dtype == torch.bfloat16:
+        # rounded up, so that x / scale stays within +-QMAX (a value past it would be clipped); the division below
+        # is by the stored scale, so the values are the nearest ones for the scale the index keeps
+        stored = _round_up_to_bfloat16(scales)
+        scales = stored.to(torch.float32)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = x / safe[..., None]
     if dtype == "int8":
         values = scaled.round().clamp_(-127, 127).to(storage)
     else:
         values = scaled.clamp_(-qmax, qmax).to(storage)
-    return values, scales
+    return values, (stored if scale_dtype == torch.bfloat16 else scales)
 
 
 def dequantized_queries(queries: torch.Tensor, dtype: str = "int8") -> torch.Tensor:

@@ -266,30 +266,99 @@ def test_non_finite_query_tokens_score_nan_against_an_int8_index(backend, quanti
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_quantization_is_the_same_on_cuda_and_cpu(seed):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantization_is_the_same_on_cuda_and_cpu(scale_dtype, seed):
     """The scales are IEEE quotients on both devices (PyTorch's CUDA division by a Python number multiplies by
-    its reciprocal instead, one rounding off now and then), so an index, and the query the kernel quantises, do
-    not depend on where they were made."""
+    its reciprocal instead, one rounding off now and then), rounded up to bf16 by the same bit arithmetic for an
+    int8 index, so an index, and the query the kernel quantises, do not depend on where they were made."""
     from flash_maxsim.quantization import quantize_tokens
     x = torch.randn(20000, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    values, scales = quantize_tokens(x)
-    values_gpu, scales_gpu = quantize_tokens(x.cuda())
+    values, scales = quantize_tokens(x, scale_dtype=scale_dtype)
+    values_gpu, scales_gpu = quantize_tokens(x.cuda(), scale_dtype=scale_dtype)
     assert torch.equal(scales_gpu.cpu(), scales) and torch.equal(values_gpu.cpu(), values)
 
 
 def test_index_object_bytes_device_and_save_load():
     d = torch.randn(4, 16, 128, dtype=torch.bfloat16)
     qd = fm.quantize(d)
-    assert qd.values.dtype == torch.int8 and qd.scales.shape == (4, 16)
-    assert qd.nbytes <= 0.53 * d.numel() * d.element_size()
+    assert qd.values.dtype == torch.int8 and qd.scales.shape == (4, 16) and qd.scales.dtype == torch.bfloat16
+    # d + 2 bytes per token against 2 d: 0.508x at d = 128 (issue 7: at most 0.53x); fp8 keeps 4-byte scales
+    assert qd.nbytes == 4 * 16 * (128 + 2) and qd.nbytes <= 0.53 * d.numel() * d.element_size()
+    if hasattr(torch, "float8_e4m3fn"):
+        assert fm.quantize(d, dtype="fp8").nbytes == 4 * 16 * (128 + 4)
     buf = io.BytesIO()
     torch.save(qd, buf)
     buf.seek(0)
     back = torch.load(buf, weights_only=False)
     assert torch.equal(back.values, qd.values) and torch.equal(back.scales, qd.scales)
     assert qd.to("cpu").device.type == "cpu"
-    # per-token symmetric: the largest |component| of each token maps to +-127
-    assert int(qd.values.abs().amax(-1).min()) == 127
+    # per-token symmetric: the largest |component| of each token maps to 126 or 127 (the scale is rounded up to
+    # bf16, at most 2^-7 above amax / 127)
+    assert int(qd.values.abs().amax(-1).min()) >= 126 and int(qd.values.abs().amax()) == 127
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_index_scales_are_the_quotient_rounded_up_to_bf16(kind, seed):
+    """Each stored scale is the least bf16 number at or above the fp32 quotient amax / QMAX, so that no value is
+    clipped, and the values are the nearest ones (round half to even; e4m3's rounding) for that stored scale."""
+    from flash_maxsim.quantization import quantize_tokens
+    g = torch.Generator().manual_seed(seed)
+    # magnitudes over many binades, a zero token, a NaN token and a denormal-scale token
+    x = torch.randn(500, 64, generator=g) * torch.exp2(torch.randint(-30, 30, (500, 1), generator=g).float())
+    x[3] = 0.0
+    x[4, 5] = float("nan")
+    x[5] = torch.full((64,), 1e-39) * torch.randn(64, generator=g).sign()
+    values, scales = quantize_tokens(x, kind, scale_dtype=torch.bfloat16)
+    qmax = 127.0 if kind == "int8" else 448.0
+    quotient = x.abs().amax(-1) / torch.tensor(qmax)
+    stored = scales.float()
+    ok = ~quotient.isnan()
+    assert scales.dtype == torch.bfloat16 and stored[4].isnan() and stored[3] == 0
+    assert (stored[ok] >= quotient[ok]).all()
+    below = torch.nextafter(scales[ok], torch.zeros_like(scales[ok])).float()
+    assert ((below < quotient[ok]) | (stored[ok] == 0)).all()
+    safe = torch.where(stored > 0, stored, torch.ones_like(stored))
+    scaled = x / safe[:, None]
+    want = scaled.round().clamp(-127, 127) if kind == "int8" else scaled.clamp(-qmax, qmax).to(values.dtype).float()
+    assert torch.equal(values[ok].float(), want[ok])
+    assert values[ok].float().abs().max() <= qmax
+    # the fp32 scales are the quotients themselves, as the kernels quantise queries
+    _, fp32_scales = quantize_tokens(x, kind)
+    assert fp32_scales.dtype == torch.float32 and torch.equal(fp32_scales[ok], quotient[ok])
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_tokens(x, kind, scale_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_an_index_with_fp32_scales_scores_as_its_bf16_twin(backend, kind, layout, seed):
+    """Either format is read with scales of either dtype (an int8 index made before its 2-byte scales has fp32
+    ones; an fp8 index keeps fp32 ones): the same numbers held as bf16 or as fp32 give bit-for-bit the same scores
+    (the bf16 scale converts exactly), on every backend, from one launch plan to the other."""
+    if not _backend_ok(backend):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    dev = _device()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 5, 64, generator=g).to(dev, torch.bfloat16)
+    if layout == "padded":
+        docs = torch.randn(4, 70, 64, generator=g).to(dev, torch.bfloat16)
+    else:
+        docs = [torch.randn(n, 64, generator=g).to(dev, torch.bfloat16) for n in (70, 3, 65)]
+    from flash_maxsim.quantization import quantize_tokens
+    made = fm.quantize(docs, dtype=kind)
+    assert made.scales.dtype == (torch.bfloat16 if kind == "int8" else torch.float32)
+    values, scales = quantize_tokens(made.dequantize().values if layout == "ragged" else made.dequantize(), kind,
+                                     scale_dtype=torch.bfloat16)
+    index = dataclasses.replace(made, values=values, scales=scales)
+    wide = dataclasses.replace(index, scales=index.scales.float())
+    assert index.scales.dtype == torch.bfloat16 and wide.scales.dtype == torch.float32
+    assert wide.nbytes - index.nbytes == 2 * index.scales.numel()
+    with force_backend(backend):
+        got = fm.maxsim(q, index)
+        got_wide = fm.maxsim(q, wide)
+    assert torch.equal(got, got_wide)
+    _assert_scores_match(got, q, index)
 
 
 def test_quantized_scoring_refuses_gradients():
@@ -318,8 +387,10 @@ def test_scale_granularity_experiment_emulates_the_index_exactly(kind, monkeypat
 
     g = torch.Generator().manual_seed(5)
     values = torch.randn(300, 128, generator=g).half()
-    index = fm.quantize([values], dtype=kind)
-    got = index.dequantize().values
+    # the experiment's scales are fp32 quotients (the index's before it kept bf16 scales)
+    from flash_maxsim.quantization import quantize_tokens
+    q_values, scales = quantize_tokens(values, kind)
+    got = q_values.float() * scales[:, None]
     torch.testing.assert_close(fake_quantize(values, 128, kind), got, rtol=1e-6, atol=1e-7)
 
 

@@ -513,7 +513,9 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     key = (queries.shape, queries.stride(), queries.dtype, documents.shape, documents.stride(), documents.dtype,
            None if queries_mask is None else queries_mask.stride(),
            None if documents_mask is None else documents_mask.stride(),
-           None if offsets is None else offsets.shape[0], document_scales is None,
+           None if offsets is None else offsets.shape[0],
+           # the scales' dtype too (bf16 or fp32): the plan stands for every tensor's dtype in the launcher's key
+           None if document_scales is None else document_scales.dtype,
            # whether TMA can read the documents (a 16-byte aligned base)
            documents.data_ptr() % 16 == 0,
            candidates, zero_masked, smooth_tau, save_aux, max_len, device,
