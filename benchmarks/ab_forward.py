@@ -42,6 +42,13 @@ ROWS = [
     (256, 256, 32, 1030, 128, "train"), (128, 128, 32, 1030, 128, "smooth-train"),
 ]
 
+def _token_rows(programs_per_sm, block_n=64, tma=False, stages=2, maxnreg=0, warps=4):
+    """A variant of the token-rows kernel (kernels/forward_token_rows.py), every one of its choices spelled out."""
+    return {"TOKEN_ROWS": True, "TOKEN_ROWS_PROGRAMS_PER_SM": programs_per_sm, "TOKEN_ROWS_BLOCK_N": block_n,
+            "TOKEN_ROWS_TMA": tma, "TOKEN_ROWS_STAGES": stages, "TOKEN_ROWS_MAXNREG": maxnreg,
+            "TOKEN_ROWS_WARPS": warps}
+
+
 # session 10's variants (docs/perf-notes.md), by index (--variants): the several-documents loop as it was (one
 # tile loop per document, FLAT_RUN off); register caps for more resident programs per SM (int8 1024x1024: 208
 # registers, 2 programs of 4 warps; the 32-row int8 rows: 160 with straddling tiles, 6 programs of 2 warps), with
@@ -200,7 +207,38 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "num_stages": 2},
             {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "TAIL_N": 16},
             {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "num_warps": 8},
-            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "ROWS": 256, "num_warps": 8, "TAIL_N": 16}]
+            {"ROW_PARTIALS": 8, "TMA_ONE_DOC": True, "ROWS": 256, "num_warps": 8, "TAIL_N": 16},
+            # 121-130 (session 28): the 8-bit streaming grid with document tokens as the tile's rows
+            # (kernels/forward_token_rows.py: 64-token wgmma tiles of int8 or fp8 straight from shared memory, an
+            # element-wise running max, the max across tokens once per document; offline sm_90, 32x300: 78 / 96
+            # registers, one loop of 360 / 339 instructions per thread on 4 warps, branches included, against 525 on
+            # 2 warps and 1286 on 1): 4 programs per SM (16 warps, as 8 of 2 warps), 3 stages, TMA copies, 5, 6 or 8
+            # per SM (8 at 64 registers), 128-token tiles on 8 warps
+            _token_rows(4), _token_rows(4, stages=3),
+            _token_rows(4, tma=True),
+            _token_rows(4, tma=True, stages=3),
+            _token_rows(5), _token_rows(6),
+            _token_rows(8, maxnreg=64),
+            _token_rows(8, tma=True, maxnreg=64),
+            _token_rows(4, block_n=128, warps=8),
+            _token_rows(2, block_n=128, stages=3, warps=8),
+            # 131-137, around 128 / 124 (device call 1: the fastest on int8 and on fp8): TMA copies with 6, 7 or 8
+            # programs per SM, 2 or 3 stages, register caps that leave the loop unspilled (offline sm_90: fp8 spills
+            # at 64, not at 72; int8 neither); 128-token tiles on one warpgroup (two products of 64 rows)
+            _token_rows(7, tma=True, stages=3, maxnreg=72),
+            _token_rows(7, tma=True, maxnreg=72),
+            _token_rows(6, tma=True, stages=3),
+            _token_rows(6, tma=True),
+            _token_rows(8, tma=True, stages=3, maxnreg=64),
+            _token_rows(4, block_n=128, tma=True),
+            _token_rows(5, block_n=128, tma=True, maxnreg=96),
+            # 138-139, around 136 (device call 2: the fastest on three of the four rows): 128-token tiles on one
+            # warpgroup by TMA with 3 stages (4 programs per SM) or 4 (3 per SM)
+            _token_rows(4, block_n=128, tma=True, stages=3),
+            _token_rows(3, block_n=128, tma=True, stages=4),
+            # 140: the tile kernel on the streaming rows (the default before session 28)
+            {"TOKEN_ROWS": False}]
+
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)
 # variants whose kernel option was dropped after they were timed (index -> what it was): the plan would ignore the

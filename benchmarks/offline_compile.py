@@ -149,8 +149,11 @@ CASES = [
     Case("fp32 tf32", lambda: (_q(4, 32, 128, FP32), _docs(100, 180, 128, FP32), None, None),
          fp32_precision="high"),
     # compressed index
+    # runs of documents: the token-rows kernel on Hopper (kernels/forward_token_rows.py), the tile kernel elsewhere
     Case("int8 1x3k 32x300 (several documents per program)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128),
                                                                 None, None)),
+    Case("int8 1x3k 32x300 tile kernel (several documents per program)",
+         lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None), forward_overrides={"TOKEN_ROWS": False}),
     # the default: whole tiles' sums read as fp32 bits (kernels/forward.py, _tile_similarities), on 2 stages
     Case("int8 1x4k 1024x1024 (runs of documents by TMA)", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                   None, None)),
@@ -164,7 +167,7 @@ CASES = [
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
          forward_overrides={"BITCAST_SUMS": False, "num_stages": 2}),
     Case("int8 1x3k 32x300 bit-cast sums", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None),
-         forward_overrides={"BITCAST_SUMS": True}),
+         forward_overrides={"BITCAST_SUMS": True, "TOKEN_ROWS": False}),
     Case("int8 1x4k 1030x1030 masked bit-cast sums (straddling)",
          lambda: (_q(1, 1030, 128), _quantized(4000, 1030, 128, mask=True), None, None),
          forward_overrides={"BITCAST_SUMS": True}),
@@ -177,10 +180,13 @@ CASES = [
     Case("int8 d=384 (converted)", lambda: (_q(1, 32, 384), _quantized(1000, 180, 384), None, None)),
     # fp8 x fp8 products (session 17): one document per program, runs of documents (the streaming grid), the
     # compute-bound grid (queries quantised first, TMA), and the conversion to the queries' dtype they replace
-    Case("fp8 1x1k 32x300", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
+    Case("fp8 1x500 32x300", lambda: (_q(1, 32, 128), _quantized(500, 300, 128, kind="fp8"), None, None),
          min_arch=89),
     Case("fp8 1x3k 32x300 (runs of documents)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128, kind="fp8"),
                                                         None, None), min_arch=89),
+    Case("fp8 1x3k 32x300 tile kernel (runs of documents)",
+         lambda: (_q(1, 32, 128), _quantized(3000, 300, 128, kind="fp8"), None, None), min_arch=89,
+         forward_overrides={"TOKEN_ROWS": False}),
     Case("fp8 1x4k 1024x1024 (runs of documents by TMA)",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89),
     Case("fp8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),

@@ -196,6 +196,19 @@ def main():
                                whole_mask), 1e-5)
         check("int8 grouped, query split", grouped_split,
               reference.maxsim(queries_as_scored(long_q16, narrow).double(), narrow.dequantize(torch.float64)), 1e-5)
+        # the token-rows kernel (the 8-bit streaming default on Hopper, forced into runs of 4 documents here): int8
+        # 64-token tiles straddling 300-token documents, masked whole tiles as zero; fp8 128-token tiles straddling
+        index8 = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf), dtype="fp8")
+        with forward_overrides(DOCS=4, TOKEN_ROWS_PROGRAMS_PER_SM=0):
+            rows_straddling, rows_whole = fm.maxsim(q2[:1], index), fm.maxsim(q2[:1], whole, masked="zero")
+            rows_fp8 = fm.maxsim(q2[:1], index8)
+        check("int8 token rows, straddling", rows_straddling,
+              reference.maxsim(queries_as_scored(q2[:1], index).double(), index.dequantize(torch.float64)), 1e-5)
+        check("int8 token rows, whole tiles masked as zero", rows_whole,
+              reference.maxsim(queries_as_scored(q2[:1], whole).double(), whole.dequantize(torch.float64), None,
+                               whole_mask, masked="zero"), 1e-5)
+        check("fp8 token rows, 128-token tiles straddling", rows_fp8,
+              reference.maxsim(queries_as_scored(q2[:1], index8).double(), index8.dequantize(torch.float64)), 1e-4)
         # the compute-bound grid's choices (forced at this size): queries quantised before the launch, runs of
         # 128-token tiles (whole, masked, copied by TMA; and straddling documents) with scales and mask loaded a
         # tile ahead, 168 registers

@@ -562,7 +562,17 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
                                     torch.empty(B, Ld, 128, dtype=torch.int8), None, None, None, 0, False, None,
                                     False, Ld, torch.empty(B, Ld))
     p = plan(10000, 32, 300)            # 1,056 program slots: 10 documents each, 1,000 programs
-    assert p.docs == 10 and p.grid == (1000,) and p.meta["MULTI_DOC"] and not p.meta["PREFETCH_TOKENS"]
+    # runs of documents with document tokens as the tile's rows (kernels/forward_token_rows.py): 4 warps, 64-token
+    # tiles copied by TMA, 64 registers
+    assert p.docs == 10 and p.grid == (1000,) and p.kernel is launch.maxsim_fwd_token_rows_kernel
+    assert p.meta["TMA_DOCS"] and p.meta["STRADDLE"] and p.meta["BLOCK_N"] == 64 and p.meta["num_warps"] == 4
+    assert p.meta["maxnreg"] == 64 and "MULTI_DOC" not in p.meta
+    # without TMA (before Hopper) the tile kernel: one run of tokens on 2 warps, no scales loaded ahead
+    with monkeypatch.context() as m:
+        m.setattr(launch, "_tensor_descriptors", lambda queries: False)
+        p = plan(10000, 32, 300)
+    assert p.docs == 10 and p.kernel is launch.maxsim_fwd_kernel and p.meta["MULTI_DOC"] and p.meta["FLAT_RUN"]
+    assert not p.meta["PREFETCH_TOKENS"] and p.meta["num_warps"] == 2
     p = plan(10000, 1024, 1024)         # 8 row tiles per document, 3,168 slots: 26 documents per program
     assert p.docs == 26 and p.grid == (385 * 8,) and p.meta["MULTI_DOC"]
     # scales loaded a tile ahead; queries quantised before the launch; 168 registers for 3 programs per SM; whole
@@ -573,8 +583,8 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert p.meta["BITCAST_SUMS"] and p.meta["num_stages"] == 2
     p = plan(10000, 1024, 1030)
     assert p.meta["FLAT_RUN"] and p.meta["STRADDLE"] and not p.meta["BITCAST_SUMS"] and p.meta["num_stages"] == 3
-    p = plan(10000, 32, 1024)
-    assert not p.meta["Q_QUANTIZED"] and not p.meta["PREFETCH_TOKENS"]
+    p = plan(10000, 32, 1024)           # the query quantised in the token-rows kernel, whole tiles
+    assert p.kernel is launch.maxsim_fwd_token_rows_kernel and not p.meta["STRADDLE"]
     p = plan(500, 32, 300)
     assert p.docs == 1 and p.grid == (500,) and not p.meta["MULTI_DOC"]
 

@@ -67,9 +67,11 @@ def test_every_specialisation_compiles_without_spills(target, request):
     assert not errors, errors
     assert proc.returncode == 0, proc.stdout[-3000:]
     kernels = {r["kernel"] for r in rows}
+    # the token-rows kernel needs TMA: Hopper only
     assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dq_gather_kernel",
                        "maxsim_bwd_dd_dense_kernel", "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_binned_kernel",
-                       "maxsim_bwd_fused_kernel", "maxsim_combine_slices_kernel"}
+                       "maxsim_bwd_fused_kernel", "maxsim_combine_slices_kernel"} | (
+        {"maxsim_fwd_token_rows_kernel"} if target == "hopper" else set())
     assert len(rows) >= 35
     # every launch binds all its kernel's constexprs, so later calls take the direct C launch (kernels/_launcher.py)
     assert all(r["direct_launch"] for r in rows), [(r["case"], r["kernel"]) for r in rows if not r["direct_launch"]]
@@ -80,12 +82,17 @@ def test_every_specialisation_compiles_without_spills(target, request):
 
 def test_int8_index_uses_int8_tensor_cores(hopper):
     _, rows = hopper
-    for case, instruction in (("int8 1x3k 32x300 (several documents per program)", "mma.sync s8"),
-                              ("int8 1x300 1024x1024 masked", "wgmma s8")):
+    tiles = "int8 1x3k 32x300 tile kernel (several documents per program)"
+    for case, instruction in ((tiles, "mma.sync s8"), ("int8 1x300 1024x1024 masked", "wgmma s8")):
         row = _by_case(rows, case)
         assert row["meta"]["QUANTIZE_Q"] and row["meta"]["HAS_SCALES"]
         assert set(row["mma"]) == {instruction}, row["mma"]
-    assert _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["MULTI_DOC"]
+    assert _by_case(rows, tiles)["meta"]["MULTI_DOC"]
+    # the default for runs of documents streaming one query: document tokens as the rows of 64-row wgmma tiles,
+    # copied by TMA, in at most 64 registers (8 programs of 4 warps per SM)
+    row = _by_case(rows, "int8 1x3k 32x300 (several documents per program)", "maxsim_fwd_token_rows_kernel")
+    assert set(row["mma"]) == {"wgmma s8"} and row["meta"]["TMA_DOCS"] and row["meta"]["BLOCK_N"] == 64
+    assert row["registers"] <= 64 and row["num_warps"] == 4
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
     # the compute-bound grid reads queries quantised before the launch; the bandwidth-bound one quantises them
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["Q_QUANTIZED"]
@@ -94,7 +101,7 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
     assert _by_case(rows, runs)["meta"]["TMA_DOCS"] and _by_case(rows, runs)["meta"]["MULTI_DOC"]
     assert set(_by_case(rows, runs)["mma"]) == {"wgmma s8"}
     assert not _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["TMA_DOCS"]
-    assert not _by_case(rows, "int8 1x3k 32x300 (several documents per program)")["meta"]["Q_QUANTIZED"]
+    assert not _by_case(rows, tiles)["meta"]["Q_QUANTIZED"]
     # the conversion paths (switched off, d > 256) multiply in bf16
     for case in ("int8 converted", "int8 d=384 (converted)", "fp8 converted"):
         row = _by_case(rows, case)
@@ -104,17 +111,20 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
 
 def test_fp8_index_uses_fp8_tensor_cores_where_hopper_has_them(hopper):
     """fp8 x fp8 products (the query quantised to e4m3): wgmma e4m3 on the compute-bound grid (queries quantised
-    first, TMA, no spills); the 32-row streaming tiles have no fp8 mma.sync on Hopper, and Triton converts the
-    e4m3 operands to fp16 for it."""
+    first, TMA, no spills) and in the token-rows kernel (128 document tokens as a tile's rows); the tile kernel's
+    32-row streaming tiles have no fp8 mma.sync on Hopper, and Triton converts the e4m3 operands to fp16 for it."""
     _, rows = hopper
     compute = _by_case(rows, "fp8 1x4k 1024x1024 (runs of documents by TMA)")
     assert compute["meta"]["QUANTIZE_Q"] and compute["meta"]["Q_QUANTIZED"] and compute["meta"]["TMA_DOCS"]
     assert not compute["meta"]["BITCAST_SUMS"]          # fp32 sums already: nothing to bit-cast
     assert set(compute["mma"]) == {"wgmma e4m3"} and compute["local_bytes"] == 0
-    for case in ("fp8 1x1k 32x300", "fp8 1x3k 32x300 (runs of documents)"):
+    for case in ("fp8 1x500 32x300", "fp8 1x3k 32x300 tile kernel (runs of documents)"):
         row = _by_case(rows, case)
         assert row["meta"]["QUANTIZE_Q"] and not row["meta"]["Q_QUANTIZED"]
         assert set(row["mma"]) == {"mma.sync f16"}, (case, row["mma"])
+    row = _by_case(rows, "fp8 1x3k 32x300 (runs of documents)", "maxsim_fwd_token_rows_kernel")
+    assert set(row["mma"]) == {"wgmma e4m3"} and row["meta"]["TMA_DOCS"] and row["meta"]["BLOCK_N"] == 128
+    assert row["local_bytes"] == 0
 
 
 def test_bitcast_sums_take_no_conversion_per_similarity(hopper):

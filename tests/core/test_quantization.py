@@ -24,6 +24,14 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _skip_without_kernels_for(kind):
+    """Skips where the kernels cannot score an index of ``kind``: no CUDA and no interpreter, or fp8 before sm_89."""
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    if kind == "fp8" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 documents need compute capability >= 8.9")
+
+
 def _assert_scores_match(got, queries, index, queries_mask=None, documents_mask=None, masked="exclude",
                          smooth_tau=None):
     """``got`` against the float64 MaxSim of ``queries`` (as scored: dequantised where the index's products
@@ -103,10 +111,7 @@ def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layou
     an all-masked document."""
     from flash_maxsim.kernels import launch
     from flash_maxsim.quantization import quantize_tokens
-    if not _backend_ok("triton"):
-        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
-    if kind == "fp8" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 documents need compute capability >= 8.9")
+    _skip_without_kernels_for(kind)
     dev = _device()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(3, 5, d, generator=g)
@@ -549,10 +554,10 @@ def test_bitcast_sums_on_the_compute_bound_grid(length, masked, monkeypatch, see
                     reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("length", [300, 1024], ids=["straddling", "whole-tiles"])
 def test_fp8_streaming_grid_at_its_real_size(length, monkeypatch, seed):
-    """One query against enough fp8 documents to pick the streaming grid of one-warp programs with uncapped
-    registers (launch.forward_config: >= 2^19 streamed tokens), masked, with a document of no valid token: the
-    scores are the float64 MaxSim of the dequantised operands (within the fp8 accumulation's bound), as with the
-    grid of two-warp programs at 128 registers it replaced."""
+    """One query against enough fp8 documents to pick the streaming grid (launch.forward_config: >= 2^19 streamed
+    tokens), masked, with a document of no valid token: the tile kernel's one-warp programs with uncapped registers
+    (the default where the token-rows kernel does not run) score the float64 MaxSim of the dequantised operands
+    (within the fp8 accumulation's bound), as the grid of two-warp programs at 128 registers they replaced does."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_docs = 2048
     q = torch.randn(1, 32, 128, generator=g, device="cuda").bfloat16()
@@ -560,9 +565,107 @@ def test_fp8_streaming_grid_at_its_real_size(length, monkeypatch, seed):
     dm = torch.rand(n_docs, length, generator=g, device="cuda") > 0.2
     dm[5] = False
     index = fm.quantize(docs.bfloat16(), dm, dtype="fp8")
-    got, plan = _scores_with(monkeypatch, q, index)
+    got, plan = _scores_with(monkeypatch, q, index, TOKEN_ROWS=False)
     assert plan.meta["num_warps"] == 1 and "maxnreg" not in plan.meta and plan.meta["MULTI_DOC"]
     _assert_scores_match(got, q, index, None, dm)
-    two_warps, plan = _scores_with(monkeypatch, q, index, num_warps=2, MAXNREG=128)
+    two_warps, plan = _scores_with(monkeypatch, q, index, num_warps=2, MAXNREG=128, TOKEN_ROWS=False)
     assert plan.meta["num_warps"] == 2 and plan.meta["maxnreg"] == 128
     _assert_scores_match(two_warps, q, index, None, dm)
+
+
+# the token-rows kernel's runs at test size: 3 documents per program (5 documents: programs of 3 and 2)
+_TOKEN_ROWS = dict(DOCS=3, PROGRAMS_PER_SM=0, TOKEN_ROWS=True, TOKEN_ROWS_PROGRAMS_PER_SM=0, TOKEN_ROWS_BLOCK_N=64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length, masked, nq, lq, knobs", [
+    (70, "exclude", 1, 32, {"TOKEN_ROWS_TMA": False}), (70, "zero", 2, 13, {"TOKEN_ROWS_TMA": True}),
+    (128, "zero", 1, 1, {"TOKEN_ROWS_TMA": False}), (128, "exclude", 2, 16, {"TOKEN_ROWS_TMA": True}),
+    (150, "zero", 1, 20, {"TOKEN_ROWS_TMA": True, "TOKEN_ROWS_BLOCK_N": 128}),
+    (128, "exclude", 1, 32, {"TOKEN_ROWS_TMA": True, "TOKEN_ROWS_BLOCK_N": 128})],
+    ids=["straddling-exclude", "straddling-zero-tma", "whole-tiles-zero-lq1", "whole-tiles-exclude-tma",
+         "straddling-128-zero-tma", "whole-128-exclude-tma"])
+def test_token_rows_kernel_scores_as_the_tile_kernel(kind, length, masked, nq, lq, knobs, monkeypatch, seed):
+    """The 8-bit streaming grid with document tokens as the tile's rows (kernels/forward_token_rows.py) over runs of
+    documents whose tiles straddle two documents or not, both masked modes, masked query tokens, one query token or
+    two queries in the block, a document with no valid token and one against which a query token's every
+    similarity is negative, TMA copies: the float64 MaxSim of the dequantised operands, and the tile kernel's
+    scores (bit for bit under the interpreter; on a GPU the per-query sum may add in another order, and fp8 sums
+    come from other tensor-core instructions)."""
+    from flash_maxsim.kernels import launch
+    _skip_without_kernels_for(kind)
+    dev = _device()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(nq, lq, 64, generator=g)
+    docs = torch.randn(5, length, 64, generator=g)
+    docs[2] = -docs[2].abs()
+    q[0, 0] = q[0, 0].abs()                                  # every similarity of query 0's token 0 with document 2 < 0
+    dm = torch.rand(5, length, generator=g) > 0.3
+    dm[1] = False                                            # no valid token
+    qm = torch.rand(nq, lq, generator=g) > 0.2
+    qm[:, 0] = True
+    index = fm.quantize(docs.to(dev), dm.to(dev), dtype=kind)
+    q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
+    want, plan = _scores_with(monkeypatch, q, index, qm, masked, **dict(_TOKEN_ROWS, TOKEN_ROWS=False))
+    assert plan.kernel is not launch.maxsim_fwd_token_rows_kernel and plan.meta["FLAT_RUN"]
+    got, plan = _scores_with(monkeypatch, q, index, qm, masked, **dict(_TOKEN_ROWS, **knobs))
+    assert plan.kernel is launch.maxsim_fwd_token_rows_kernel and plan.docs == 3
+    assert plan.meta["STRADDLE"] == (length % plan.meta["BLOCK_N"] != 0)
+    assert plan.meta["TMA_DOCS"] == (knobs["TOKEN_ROWS_TMA"] and (launch.interpreting()
+                                                      or torch.cuda.get_device_capability() >= (9, 0)))
+    if launch.interpreting():
+        assert torch.equal(got, want)
+    elif kind == "int8":    # fp8: other tensor-core instructions, each within _assert_scores_match's bound
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    _assert_scores_match(got, q, index, qm, dm.to(dev), masked=masked)
+
+
+def test_token_rows_kernel_only_where_it_applies(monkeypatch):
+    """The token-rows kernel takes the hard max over runs of documents of one block of at most 32 query rows:
+    the smooth max, per-query candidates, ragged documents and more than 32 query rows keep the tile kernel."""
+    from flash_maxsim.kernels import launch
+    dev = _device()
+    if not _backend_ok("triton"):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(3)
+    index = fm.quantize(torch.randn(5, 70, 32, generator=g).to(dev))
+    q = torch.randn(1, 8, 32, generator=g).to(dev, torch.bfloat16)
+    cases = {"hard max": (q, index, None, True), "smooth max": (q, index, 0.2, False),
+             "48 query rows": (torch.randn(3, 16, 32, generator=g).to(dev, torch.bfloat16), index, None, False),
+             "ragged": (q, fm.quantize([torch.randn(n, 32, generator=g).to(dev) for n in (70, 80, 90, 75, 64)]),
+                        None, False)}
+    for name, (queries, docs, tau, expected) in cases.items():
+        monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(_TOKEN_ROWS))
+        with force_backend("triton"):
+            got = fm.maxsim(queries, docs, smooth_tau=tau)
+        (plan,) = launch._FORWARD_PLANS.values()
+        assert (plan.kernel is launch.maxsim_fwd_token_rows_kernel) == expected, name
+        ref = reference.maxsim(queries_as_scored(queries, docs).double(), docs.dequantize(torch.float64),
+                               smooth_tau=tau)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [300, 1030], ids=["300-tokens", "1030-tokens"])
+def test_token_rows_kernel_at_the_streaming_grids_real_size(kind, length, monkeypatch, seed):
+    """One query of 32 tokens against 2048 masked documents (the streaming grid's runs at its real size, a
+    document with no valid token): the token-rows kernel's scores are the float64 MaxSim of the dequantised
+    operands, and the tile kernel's."""
+    from flash_maxsim.kernels import launch
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 documents need compute capability >= 8.9")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 32, 128, generator=g, device="cuda").bfloat16()
+    docs = torch.randn(2048, length, 128, generator=g, device="cuda")
+    dm = torch.rand(2048, length, generator=g, device="cuda") > 0.2
+    dm[5] = False
+    index = fm.quantize(docs.bfloat16(), dm, dtype=kind)
+    tiles, plan = _scores_with(monkeypatch, q, index, TOKEN_ROWS=False)
+    assert plan.kernel is launch.maxsim_fwd_kernel
+    got, plan = _scores_with(monkeypatch, q, index, TOKEN_ROWS=True)
+    assert plan.kernel is launch.maxsim_fwd_token_rows_kernel and plan.docs > 1
+    _assert_scores_match(got, q, index, None, dm)
+    if kind == "int8":      # fp8: other tensor-core instructions, each within the bound above (~1e-4 apart)
+        torch.testing.assert_close(got, tiles, rtol=1e-6, atol=1e-5)

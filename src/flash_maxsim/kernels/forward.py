@@ -90,12 +90,12 @@ def _similarity_tile(
     return s
 
 
-@triton.jit
-def _kernels_are_interpreted():
-    pass
+# whether Triton's CPU interpreter runs these kernels (TRITON_INTERPRET=1 when they were first imported: each jit
+# function is then an InterpretedFunction); the one test of it (launch.interpreting() returns this)
+INTERPRETED = type(_max_propagating_nan).__name__ == "InterpretedFunction"
 
 
-if type(_kernels_are_interpreted).__name__ == "InterpretedFunction":
+if INTERPRETED:
     @triton.jit
     def _scales_as_fp32(sc):
         """The documents' scales (bf16 or fp32) in fp32: Triton's interpreter runs no PTX."""
@@ -124,6 +124,29 @@ def _round_to_e4m3(y):
     subnormal = (y + 24576.0) - 24576.0
     y = tl.where(tl.abs(y) < 0.015625, subnormal, normal)
     return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
+def _quantized_query_tile(q_tile, row_ok, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """8-bit products (int8 or fp8 documents, one d-chunk): each query row of the loaded tile quantised exactly as
+    quantization.quantize_tokens does it (scale = amax / QMAX, IEEE division, then round half to even), so that
+    the score is that of the dequantised query. Returns the values (fp32 numbers under the interpreter's fp8,
+    ``UPCAST``) and the row scales (1 on rows that do not count)."""
+    qf = q_tile.to(tl.float32)
+    amax = tl.reduce(tl.abs(qf), 1, _max_propagating_nan)
+    q_scale = tl.math.div_rn(amax, tl.full((q_tile.shape[0],), 448.0 if FP8 else 127.0, tl.float32))
+    # a NaN or infinite query token scores NaN, as its dequantised form (scale NaN or inf) does on the CPU
+    q_scale = tl.where(amax < float("inf"), q_scale, float("nan"))
+    y = tl.math.div_rn(qf, tl.where(q_scale > 0, q_scale, 1.0)[:, None])
+    if FP8:
+        values = _round_to_e4m3(y)
+        if not UPCAST:
+            values = values.to(tl.float8e4nv)
+    else:
+        # to an integer through the 1.5 * 2^23 trick, valid for |y| <= 127
+        y = (y + 12582912.0) - 12582912.0
+        values = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    return values, tl.where(row_ok, q_scale, 1.0)
 
 
 @triton.jit
@@ -679,25 +702,7 @@ def maxsim_fwd_kernel(
         q_scale = tl.where(q_scale < float("inf"), q_scale, float("nan"))
         q_scale = tl.where(row_ok, q_scale, 1.0)
     elif QUANTIZE_Q:
-        # 8-bit products (int8 or fp8 documents, D_CHUNKS == 1): each query token quantised here exactly as
-        # quantization.quantize_tokens does it (scale = amax / QMAX, IEEE division, then round half to even), so
-        # the score is that of the dequantised query
-        FP8: tl.constexpr = D.dtype.element_ty == tl.float8e4nv
-        qf = q_tile.to(tl.float32)
-        amax = tl.reduce(tl.abs(qf), 1, _max_propagating_nan)
-        q_scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0 if FP8 else 127.0, tl.float32))
-        # a NaN or infinite query token scores NaN, as its dequantised form (scale NaN or inf) does on the CPU
-        q_scale = tl.where(amax < float("inf"), q_scale, float("nan"))
-        y = tl.math.div_rn(qf, tl.where(q_scale > 0, q_scale, 1.0)[:, None])
-        if FP8:
-            q_tile = _round_to_e4m3(y)
-            if not UPCAST:
-                q_tile = q_tile.to(tl.float8e4nv)
-        else:
-            # to an integer through the 1.5 * 2^23 trick, valid for |y| <= 127
-            y = (y + 12582912.0) - 12582912.0
-            q_tile = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
-        q_scale = tl.where(row_ok, q_scale, 1.0)
+        q_tile, q_scale = _quantized_query_tile(q_tile, row_ok, D.dtype.element_ty == tl.float8e4nv, UPCAST)
 
     m = _running_max_init(BLOCK_M, ROW_PARTIALS)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)     # smooth: running sum of exp

@@ -22,12 +22,13 @@ from . import _launcher
 from .._layout import aux_dtype
 from .backward import (maxsim_bwd_dd_binned_kernel, maxsim_bwd_dd_dense_kernel, maxsim_bwd_dd_sparse_kernel,
                        maxsim_bwd_dq_gather_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_fused_kernel)
-from .forward import maxsim_combine_slices_kernel, maxsim_fwd_kernel
+from .forward import INTERPRETED, maxsim_combine_slices_kernel, maxsim_fwd_kernel
+from .forward_token_rows import maxsim_fwd_token_rows_kernel
 
 
 def interpreting() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when first imported)."""
-    return type(maxsim_fwd_kernel).__name__ == "InterpretedFunction"
+    return INTERPRETED
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -260,6 +261,19 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             # Not TMA copies (session 12: 0.1112 vs 0.1121; session 14, with the descriptor encoded once: 0.1104 vs
             # 0.1093) nor deeper pipelines or 128-token tiles (fewer programs per SM: 5-32% slower)
             cfg["MAXNREG"] = 128
+            # where the documents form runs (_forward_plan), the token-rows kernel (kernels/forward_token_rows.py:
+            # document tokens as the rows of 64- or 128-token wgmma tiles read by TMA, int8 or fp8 straight from
+            # shared memory; offline sm_90, 32x300: 64 / 123 registers, no spills). Session 28, device calls 1-3,
+            # ab_forward, 5-7 interleaved rounds against the tile kernel: int8 64-token tiles, 8 programs per SM at 64
+            # registers, 1x10k 32x300 0.1060 / 0.1065 vs 0.1098 ms, 32x1030 0.3185 / 0.3192 vs 0.3280 / 0.3243 (4-7
+            # per SM, 3 stages, 128-token tiles: 0.1072-0.1334 and 0.3208-0.4117); fp8 128-token tiles on one
+            # warpgroup, 4 per SM, 0.1083 / 0.1083 vs 0.1288 / 0.1286, 0.3241 / 0.3243 vs 0.3827 / 0.3850 (64-token
+            # tiles 0.1085-0.1377, 0.3265-0.4265). Only with TMA (Hopper): unmeasured elsewhere
+            cfg.update(TOKEN_ROWS=True, TOKEN_ROWS_TMA=True, TOKEN_ROWS_STAGES=2, TOKEN_ROWS_WARPS=4)
+            if products == "fp8":
+                cfg.update(TOKEN_ROWS_BLOCK_N=128, TOKEN_ROWS_PROGRAMS_PER_SM=4, TOKEN_ROWS_MAXNREG=0)
+            else:
+                cfg.update(TOKEN_ROWS_BLOCK_N=64, TOKEN_ROWS_PROGRAMS_PER_SM=8, TOKEN_ROWS_MAXNREG=64)
             if products == "fp8" and cfg["num_warps"] == 2:
                 # fp8 x fp8 products on 32-row tiles are mma.sync f16 after converting each document tile in
                 # registers: one warp per program, registers uncapped (246), issues fewer instructions per token
@@ -290,7 +304,7 @@ class _ForwardPlan:
     """Everything about one forward launch that depends only on shapes, strides, dtypes and flags."""
 
     __slots__ = ("grid", "scalars", "meta", "meta_key", "scores_shape", "aux_shape", "aux_dtype", "row_out",
-                 "n_splits", "docs", "combine", "products")
+                 "n_splits", "docs", "combine", "products", "kernel")
 
 
 # (shapes, strides, dtypes, flags) -> _ForwardPlan. Building a plan costs ~30 us of Python; a scoring call in a
@@ -353,22 +367,41 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     else:
         tokens_per_ds = 2**31 - 1      # one slice: the whole document, whatever its length
     # several documents per program: padded in-batch documents, scoring only, one slice per document
-    docs = 1
-    if not (candidates or offsets is not None or save_aux or n_ds > 1 or Ld == 0):
-        docs = cfg["DOCS"]
-        if cfg["PROGRAMS_PER_SM"]:
-            # a grid of about PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents
-            docs = max(1, _cdiv(T * n_qblocks * n_splits, cfg["PROGRAMS_PER_SM"] * _sm_count()))
     sdt, sdl, sdd = _doc_strides(documents, offsets)
     # quantized documents: the scales are read with the mask's strides (both made contiguous by the caller)
     sdmt, sdml = _mask_strides(document_scales if document_scales is not None else documents_mask, offsets)
-    # several documents per program that lie end to end (and each fill a tile at least): one run of tokens. Tiles
-    # that straddle two documents only where Triton 3.6 compiles them: 32 rows, or 128-token tiles of up to 128 rows
-    # (its pipeliner fails on 64-token tiles of 64, 128 or 256 rows: run 22 and session 11's benchmarks/probe_runs.py)
-    flat_run = (docs > 1 and Ld >= cfg["BLOCK_N"] and sdt == Ld * sdl
+
+    def runs_of(cfg):
+        """(documents per program, whether they form one run of tokens) under the tile choices ``cfg``."""
+        docs = 1
+        if not (candidates or offsets is not None or save_aux or n_ds > 1 or Ld == 0):
+            docs = cfg["DOCS"]
+            if cfg["PROGRAMS_PER_SM"]:
+                # a grid of about PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents
+                docs = max(1, _cdiv(T * n_qblocks * n_splits, cfg["PROGRAMS_PER_SM"] * _sm_count()))
+        # several documents per program that lie end to end (and each fill a tile at least): one run of tokens.
+        # Tiles that straddle two documents only where Triton 3.6 compiles them: 32 rows, or 128-token tiles of up
+        # to 128 rows (its pipeliner fails on 64-token tiles of 64, 128 or 256 rows: run 22 and session 11's
+        # benchmarks/probe_runs.py)
+        flat = (docs > 1 and Ld >= cfg["BLOCK_N"] and sdt == Ld * sdl
                 and (sdmt == Ld * sdml or (document_scales is None and documents_mask is None))
                 and (Ld % cfg["BLOCK_N"] == 0 or tokb * qpb <= 32 or (cfg["BLOCK_N"] >= 128 and tokb * qpb <= 128))
                 and bool(cfg.get("FLAT_RUN", True)))
+        return docs, flat
+
+    docs, flat_run = runs_of(cfg)
+    # the 8-bit streaming grid (forward_config's TOKEN_ROWS) with document tokens as the tile's rows
+    # (kernels/forward_token_rows.py): the hard max over runs of documents of one block of at most 32 query rows,
+    # quantised in the kernel, in its own tiles and grid; the tile kernel wherever its runs do not form
+    token_rows = False
+    if (cfg.get("TOKEN_ROWS") and products is not None and not smooth and not save_aux and n_ds == 1
+            and n_splits == 1 and n_qblocks == 1 and tokb * qpb <= 32 and not q_quantized
+            and (not cfg.get("TOKEN_ROWS_TMA") or _tensor_descriptors(queries))):
+        tr_cfg = dict(cfg, BLOCK_N=cfg.get("TOKEN_ROWS_BLOCK_N", cfg["BLOCK_N"]),
+                      PROGRAMS_PER_SM=cfg.get("TOKEN_ROWS_PROGRAMS_PER_SM", cfg["PROGRAMS_PER_SM"]))
+        tr_docs, tr_flat = runs_of(tr_cfg)
+        if tr_flat:
+            cfg, docs, flat_run, token_rows = tr_cfg, tr_docs, True, True
     if cfg.get("PEELED_RUNS") and (docs == 1 or flat_run):
         # forward_config's several peeled documents per program, in a layout of one document per program (ragged,
         # per-query candidates, a token split) or of one run of tokens: the one-document defaults, as measured
@@ -410,6 +443,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     # and one padded document per program, where TMA_ONE_DOC (the training forward's hard max)
     one_doc = docs == 1 and offsets is None and Ld > 0 and sdt == Ld * sdl and bool(cfg["TMA_ONE_DOC"])
     several = (flat_run or (each_peeled and sdt == Ld * sdl)) and bool(cfg["TMA_DOCS"])
+    if token_rows:
+        several = bool(cfg.get("TOKEN_ROWS_TMA", False))
+    plan.kernel = maxsim_fwd_token_rows_kernel if token_rows else maxsim_fwd_kernel
     tma_docs = ((several or one_doc) and sdd == 1
                 and (sdl * documents.element_size()) % 16 == 0 and documents.data_ptr() % 16 == 0
                 and cfg["D_CHUNKS"] == 1 and T * Ld < 2**31 and _tensor_descriptors(queries))
@@ -467,6 +503,15 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         plan.meta["TAIL_N"] = tail_n
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
+    if token_rows:
+        # its own few constexprs; tiles of BLOCK_N tokens on a warpgroup (Hopper's 8-bit products take 64 rows)
+        meta = plan.meta
+        plan.meta = {k: meta[k] for k in ("HAS_QMASK", "HAS_DMASK", "ZERO_MASKED", "QPB", "TOKB", "BLOCK_N",
+                                          "BLOCK_D", "UPCAST", "EVEN_D", "STRADDLE", "TMA_DOCS")}
+        plan.meta.update(num_warps=int(cfg.get("TOKEN_ROWS_WARPS", 4)),
+                         num_stages=int(cfg.get("TOKEN_ROWS_STAGES", 2)))
+        if cfg.get("TOKEN_ROWS_MAXNREG"):
+            plan.meta["maxnreg"] = int(cfg["TOKEN_ROWS_MAXNREG"])
     plan.meta_key = tuple(plan.meta.items())
     plan.combine = _combine_plan(n_ds, Nq, C, Lq, smooth_tau) if row_out else None
     return plan
@@ -529,7 +574,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
     # scoring call's)
     aux = torch.empty(plan.aux_shape, dtype=plan.aux_dtype, device=device) if plan.aux_shape is not None else None
     query_scales = None
-    if plan.meta["Q_QUANTIZED"]:
+    if plan.meta.get("Q_QUANTIZED"):
         # the compute-bound 8-bit grid: a few small PyTorch launches (tens of us) before a kernel of milliseconds
         from ..quantization import quantize_tokens
         queries, query_scales = quantize_tokens(queries, plan.products)
@@ -540,7 +585,7 @@ def forward(queries, documents, queries_mask, documents_mask, offsets, candidate
                scores, aux if aux is not None else dummy,
                document_scales if document_scales is not None else dummy,
                query_scales if query_scales is not None else dummy)
-    _launcher.launch(maxsim_fwd_kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
+    _launcher.launch(plan.kernel, plan.grid, tensors, plan.scalars, plan.meta, plan.meta_key, plan)
     if plan.row_out:
         return _combine_token_slices(scores, aux, plan.combine), None
     return (scores if plan.n_splits == 1 else scores.sum(0)), aux
