@@ -620,6 +620,33 @@ def test_token_rows_kernel_scores_as_the_tile_kernel(kind, length, masked, nq, l
     _assert_scores_match(got, q, index, qm, dm.to(dev), masked=masked)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_rows_kernel_nan_tokens(kind, monkeypatch):
+    """A NaN value in a valid document token makes that document's scores NaN (its scale is NaN); one in a masked
+    token changes nothing: the token-rows kernel's scores are NaN exactly where the CPU path's are, and equal to
+    them elsewhere (docs/semantics.md, "NaN and infinity")."""
+    from flash_maxsim.kernels import launch
+    _skip_without_kernels_for(kind)
+    dev = _device()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 8, 32, generator=g)
+    docs = torch.randn(5, 70, 32, generator=g)
+    dm = torch.ones(5, 70, dtype=torch.bool)
+    docs[3, 10, 4] = float("nan")                        # valid: document 3 scores NaN
+    docs[1, 5, 0] = float("nan")                         # masked: document 1 stays finite
+    dm[1, 5] = False
+    index = fm.quantize(docs.to(dev), dm.to(dev), dtype=kind)
+    q = q.to(dev, torch.bfloat16)
+    got, plan = _scores_with(monkeypatch, q, index, None, "exclude", **_TOKEN_ROWS)
+    assert plan.kernel is launch.maxsim_fwd_token_rows_kernel
+    with force_backend("torch"):
+        want = fm.maxsim(q.cpu(), index.to("cpu"), None, dm)
+    assert got.isnan().cpu().tolist() == [[False, False, False, True, False]]
+    # fp8 on a GPU: Hopper's fp8 accumulation (_assert_scores_match's bound, ~2^-9 of these scores at most)
+    rtol = 4e-3 if kind == "fp8" and got.is_cuda else 1e-5
+    torch.testing.assert_close(got.cpu().nan_to_num(), want.nan_to_num(), rtol=rtol, atol=1e-4)
+
+
 def test_token_rows_kernel_only_where_it_applies(monkeypatch):
     """The token-rows kernel takes the hard max over runs of documents of one block of at most 32 query rows:
     the smooth max, per-query candidates, ragged documents and more than 32 query rows keep the tile kernel."""
