@@ -31,6 +31,24 @@ def _min_int(a, b):
 
 
 @triton.jit
+def _document_tile(d_ptrs, token_ok, d_cols, d, D_DESC, tma_row, MASK_TOKENS: tl.constexpr, EVEN_D: tl.constexpr,
+                   TMA: tl.constexpr):
+    """One tile of document values, [tokens, features] at ``d_ptrs`` (one feature chunk): ``TMA``, a whole tile
+    copied from the descriptor ``D_DESC``, rows ``tma_row + [0, tokens)`` (features past d arrive as zeros);
+    ``MASK_TOKENS``, the tokens ``token_ok`` only (0 elsewhere); ``EVEN_D``, d == the tile's width (no feature
+    mask)."""
+    if TMA:
+        # int32 coordinates (a no-op where the caller passes them so)
+        return D_DESC.load([tma_row.to(tl.int32), 0])
+    elif MASK_TOKENS:
+        return tl.load(d_ptrs, mask=token_ok[:, None] & (d_cols[None, :] < d), other=0.0)
+    elif EVEN_D:
+        return tl.load(d_ptrs)
+    else:
+        return tl.load(d_ptrs, mask=(d_cols < d)[None, :], other=0.0)
+
+
+@triton.jit
 def _similarity_tile(
     q_tile, Q, q_row_off, row_ok, D, d_row_off, col_ok, d_cols0,
     stride_qd, stride_dd, d,
@@ -49,16 +67,8 @@ def _similarity_tile(
     numbers their bits spell, ``sum * 2^-149`` where ``0 <= sum < 2^23`` (denormals; NaN or -inf where the sum is
     negative), not converted: see ``_tile_similarities``."""
     if D_CHUNKS == 1:
-        d_ptrs = D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd
-        if TMA:
-            # int32 coordinates (a no-op where the caller passes them so)
-            d_tile = D_DESC.load([tma_row.to(tl.int32), 0])
-        elif PARTIAL or WHOLE_TILE_MASKS:
-            d_tile = tl.load(d_ptrs, mask=col_ok[:, None] & (d_cols0[None, :] < d), other=0.0)
-        elif EVEN_D:
-            d_tile = tl.load(d_ptrs)
-        else:
-            d_tile = tl.load(d_ptrs, mask=(d_cols0 < d)[None, :], other=0.0)
+        d_tile = _document_tile(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd, col_ok, d_cols0,
+                                d, D_DESC, tma_row, PARTIAL or WHOLE_TILE_MASKS, EVEN_D, TMA)
         # int8 / fp8 documents convert exactly to the queries' dtype (a no-op for float documents and for 8-bit
         # products)
         d_tile = d_tile.to(q_tile.dtype)

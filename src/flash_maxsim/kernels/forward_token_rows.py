@@ -19,7 +19,8 @@ same sum over a query's rows (``_store_query_scores``).
 import triton
 import triton.language as tl
 
-from .forward import _max_propagating_nan, _quantized_query_tile, _scales_as_fp32, _store_query_scores
+from .forward import (_document_tile, _max_propagating_nan, _quantized_query_tile, _scales_as_fp32,
+                      _store_query_scores, _token_values)
 
 
 @triton.jit
@@ -32,19 +33,9 @@ def _token_rows_tile(D, run_d, run_m, n, run_len, q_tile, DMASK, SCALES, d_cols,
     [0, BLOCK_N)``."""
     in_range = n < run_len
     # the scales are loaded before the products, so that their latency overlaps the products' (kernels/forward.py)
-    if PARTIAL:
-        sc = tl.load(SCALES + run_m + n * stride_dml, mask=in_range, other=0)
-    else:
-        sc = tl.load(SCALES + run_m + n * stride_dml)
-    d_ptrs = D + run_d + n[:, None] * stride_dl + d_cols[None, :].to(tl.int64) * stride_dd
-    if TMA:
-        d_tile = D_DESC.load([tma_row.to(tl.int32), 0])
-    elif PARTIAL:
-        d_tile = tl.load(d_ptrs, mask=in_range[:, None] & (d_cols[None, :] < d), other=0.0)
-    elif EVEN_D:
-        d_tile = tl.load(d_ptrs)
-    else:
-        d_tile = tl.load(d_ptrs, mask=(d_cols < d)[None, :], other=0.0)
+    sc = _token_values(SCALES, run_m, n, stride_dml, in_range, PARTIAL, None, False)
+    d_tile = _document_tile(D + run_d + n[:, None] * stride_dl + d_cols[None, :].to(tl.int64) * stride_dd, in_range,
+                            d_cols, d, D_DESC, tma_row, PARTIAL, EVEN_D, TMA)
     if q_tile.dtype == tl.int8:
         # exact int32 sums, exactly converted (|sum| <= 127^2 d < 2^24)
         s = tl.dot(d_tile, tl.trans(q_tile), out_dtype=tl.int32).to(tl.float32)
@@ -55,10 +46,7 @@ def _token_rows_tile(D, run_d, run_m, n, run_len, q_tile, DMASK, SCALES, d_cols,
         s = tl.dot(d_tile, tl.trans(q_tile), out_dtype=tl.float32)
     s = s * _scales_as_fp32(sc)[:, None]
     if HAS_DMASK:
-        if PARTIAL:
-            dm = tl.load(DMASK + run_m + n * stride_dml, mask=in_range, other=0)
-        else:
-            dm = tl.load(DMASK + run_m + n * stride_dml)
+        dm = _token_values(DMASK, run_m, n, stride_dml, in_range, PARTIAL, None, False)
         if ZERO_MASKED:
             s = tl.where((dm != 0)[:, None], s, 0.0)
         else:
