@@ -18,6 +18,10 @@ propagated, optional query mask): documents in runs of whole tiles, one query pe
 
 Outcome (docs/perf-notes.md, session 13; ``benchmarks/results/run31/probe*.txt``, ``ncu_*``): scores equal to the
 Triton kernel's; 1x10k 1024x1024 3.00-3.31 ms against 2.89-2.99 in every configuration (1x1k: up to 11% faster).
+Session 29 (``BITCAST``: the int32 sums read as fp32 bits, as the package's kernel has since session 16;
+``run49/call1_gluon_bitcast_probe.txt``): 1x10k 2.831 against 2.586 ms, 1x1k 0.283 against 0.300. The row runs at
+the board's power cap, where time follows energy per call (``energy_probe.py``: this kernel 2.0 J, the package's
+1.84, this kernel reducing 1 tile in 8, ``FOLD_EVERY=8``, a floor with wrong scores, 1.78).
 """
 
 import argparse
@@ -47,8 +51,30 @@ def _fold_half(acc, sc, m):
 
 
 @gluon.jit
-def _half_scales(SCALES, base, layout: gl.constexpr, HALF: gl.constexpr):
-    return gl.load(SCALES + base + gl.arange(0, HALF, layout=layout))
+def _fold_half_bitcast(acc, sc, m):
+    """``_fold_half`` with the int32 sums read as fp32 bits (``forward._tile_similarities``' BITCAST_SUMS): each
+    similarity times 2^-49 where the sum is non-negative, NaN or -inf where negative, dropped by the max; ``sc``
+    holds the scales times 2^100, the caller restores the 2^49."""
+    s = acc.to(gl.float32, bitcast=True) * gl.expand_dims(sc, 0)
+    return gl.maximum(m, gl.max(s, 1))
+
+
+@gluon.jit
+def _half_scales(SCALES, base, layout: gl.constexpr, HALF: gl.constexpr, BITCAST: gl.constexpr = False):
+    sc = gl.load(SCALES + base + gl.arange(0, HALF, layout=layout))
+    if BITCAST and SCALES.dtype.element_ty != gl.float32:
+        # fp32 scales arrive boosted already (``gluon_scores(prescaled=True)``: one pass over the scales per call)
+        sc = sc.to(gl.float32) * 1.2676506002282294e30
+    return sc
+
+
+@gluon.jit
+def _fold(acc, sc, m, BITCAST: gl.constexpr):
+    if BITCAST:
+        m = _fold_half_bitcast(acc, sc, m)
+    else:
+        m = _fold_half(acc, sc, m)
+    return m
 
 
 @gluon.jit
@@ -58,6 +84,7 @@ def maxsim_fwd_int8_hopper_kernel(
     stride_qmn, stride_qml, stride_os, stride_on, stride_oc,
     HAS_QMASK: gl.constexpr, BLOCK_D: gl.constexpr, NBUF: gl.constexpr, NUM_WARPS: gl.constexpr,
     SEPARATE_ACC: gl.constexpr = False, BM: gl.constexpr = 128, HALF: gl.constexpr = 64,
+    BITCAST: gl.constexpr = False, FOLD_EVERY: gl.constexpr = 1,
 ):
     TILE: gl.constexpr = 2 * HALF
     # accumulator of one product: 128 rows x 64 tokens over 1 or 2 warpgroups (4 or 8 warps)
@@ -100,6 +127,9 @@ def maxsim_fwd_int8_hopper_kernel(
     # a NaN or infinite query token scores NaN (as maxsim_fwd_kernel)
     q_scale = gl.where(q_scale < float("inf"), q_scale, float("nan"))
     q_scale = gl.where(row_ok, q_scale, 1.0)
+    if BITCAST:
+        # the bit-cast maxima come out times 2^-49 (exact: a power of two)
+        q_scale = q_scale * 562949953421312.0
 
     d_smem = gl.allocate_shared_memory(gl.int8, [NBUF, TILE, BLOCK_D], D_DESC.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -115,8 +145,8 @@ def maxsim_fwd_int8_hopper_kernel(
     # One product in flight while the warps reduce the other half's: ptxas keeps products asynchronous only when no
     # instruction reads an accumulator between a product's issue and its wait other than the one product's own
     # (a second product in flight while reducing made it serialise every product: warning C7514)
-    sc0 = _half_scales(SCALES, run_tok, cols_l, HALF)
-    sc1 = _half_scales(SCALES, run_tok + HALF, cols_l, HALF)
+    sc0 = _half_scales(SCALES, run_tok, cols_l, HALF, BITCAST)
+    sc1 = _half_scales(SCALES, run_tok + HALF, cols_l, HALF, BITCAST)
     mbarrier.wait(ready.index(0), 0)
     acc0 = warpgroup_mma(q_smem, d_smem.index(0).slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
     acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
@@ -133,9 +163,10 @@ def maxsim_fwd_int8_hopper_kernel(
         # tile i's second half in flight while its first half is reduced
         acc1 = warpgroup_mma(q_smem, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
                              is_async=True)
-        m = _fold_half(acc0, sc0, m)
+        if FOLD_EVERY == 1 or i % FOLD_EVERY == 0:
+            m = _fold(acc0, sc0, m, BITCAST)
         nxt = run_tok + (i + 1) * TILE
-        sc0 = _half_scales(SCALES, nxt, cols_l, HALF)
+        sc0 = _half_scales(SCALES, nxt, cols_l, HALF, BITCAST)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
         # every warp's products of tile i are done: its buffer takes tile i + NBUF
         gl.thread_barrier()
@@ -148,8 +179,9 @@ def maxsim_fwd_int8_hopper_kernel(
         mbarrier.wait(ready.index(nb), ((i + 1) // NBUF) & 1)
         acc0 = warpgroup_mma(q_smem, d_smem.index(nb).slice(0, HALF).permute((1, 0)), acc0, use_acc=keep,
                              is_async=True)
-        m = _fold_half(acc1, sc1, m)
-        sc1 = _half_scales(SCALES, nxt + HALF, cols_l, HALF)
+        if FOLD_EVERY == 1 or i % FOLD_EVERY == 0:
+            m = _fold(acc1, sc1, m, BITCAST)
+        sc1 = _half_scales(SCALES, nxt + HALF, cols_l, HALF, BITCAST)
         if (i + 1) % tiles_per_doc == 0:
             # the document's last tile: its score, then a fresh running max
             _store_score(out, tj, stride_oc, m, q_scale, row_ok)
@@ -160,9 +192,9 @@ def maxsim_fwd_int8_hopper_kernel(
     b = (n_tiles - 1) % NBUF
     acc1 = warpgroup_mma(q_smem, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
                          is_async=True)
-    m = _fold_half(acc0, sc0, m)
+    m = _fold(acc0, sc0, m, BITCAST)
     acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-    m = _fold_half(acc1, sc1, m)
+    m = _fold(acc1, sc1, m, BITCAST)
     _store_score(out, tj, stride_oc, m, q_scale, row_ok)
     for j in gl.static_range(NBUF):
         mbarrier.invalidate(ready.index(j))
@@ -177,7 +209,8 @@ def _store_score(out, tj, stride_oc, m, q_scale, row_ok):
     gl.store(out + tj * stride_oc, gl.sum(val, 0))
 
 
-def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=128, half=64):
+def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=128, half=64, bitcast=False,
+                 prescaled=False, fold_every=1):
     """Scores [Nq, T] of int8 queries (values ``qv``, scales ``qs``) against int8 documents ``dv`` [T, Ld, d] with
     scales ``ds`` (Ld a multiple of 2 * half), on a grid sized for ``pps`` programs per SM."""
     Nq, Lq, d = qv.shape
@@ -189,7 +222,10 @@ def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=12
     out = torch.empty(n_splits, Nq, T, device=qv.device, dtype=torch.float32)
     desc = TensorDescriptor(dv.view(T * Ld, d), [T * Ld, d], [d, 1], [2 * half, d],
                             gl.NVMMASharedLayout.get_default_for([2 * half, d], gl.int8))
-    kw = dict(HAS_QMASK=False, BLOCK_D=d, NBUF=nbuf, NUM_WARPS=nw, num_warps=nw, SEPARATE_ACC=sep, BM=bm, HALF=half)
+    if prescaled:
+        ds = ds.float() * 2.0**100
+    kw = dict(HAS_QMASK=False, BLOCK_D=d, NBUF=nbuf, NUM_WARPS=nw, num_warps=nw, SEPARATE_ACC=sep, BM=bm, HALF=half,
+              BITCAST=bitcast, FOLD_EVERY=fold_every)
     if maxnreg:
         kw["maxnreg"] = maxnreg
     maxsim_fwd_int8_hopper_kernel[(groups * Nq * n_splits,)](
@@ -198,9 +234,13 @@ def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=12
     return out.sum(0)
 
 
-# (pps: programs per SM that size the grid, nbuf, maxnreg, warps, separate accumulators, rows per program, HALF)
-VARIANTS = [(24, 3, None, 4, False, 128, 64), (16, 3, None, 4, True, 128, 64), (24, 2, None, 4, False, 64, 128),
-            (16, 3, None, 4, False, 64, 128), (40, 2, None, 4, False, 64, 64), (24, 3, None, 4, True, 64, 64)]
+# (pps: programs per SM that size the grid, nbuf, maxnreg, warps, separate accumulators, rows per program, HALF,
+# bit-cast sums). Session 13's six (converted sums) were all slower than the Triton kernel then; session 29 times the
+# bit-cast sums (the package's default on this grid since session 16) in the same structure
+VARIANTS = [(24, 3, None, 4, False, 128, 64, True), (24, 3, 168, 4, True, 128, 64, True),
+            (16, 3, None, 4, True, 128, 64, True), (24, 2, None, 4, False, 128, 64, True),
+            (24, 4, None, 4, False, 128, 64, True), (40, 3, None, 4, False, 64, 64, True),
+            (24, 3, None, 4, False, 128, 64, True, True), (24, 3, None, 4, False, 128, 64, False)]
 ROWS = [(1, 10000, 1024, 1024), (1, 1000, 1024, 1024), (4, 2000, 256, 1024)]
 
 
@@ -224,7 +264,9 @@ def main(argv=None) -> int:
         dv, ds = p.documents, p.document_scales.contiguous()
         entries = [("triton (package)", lambda: forward_scores(launch, p), None)]
         for v in VARIANTS:
-            name = "gluon pps={} nbuf={} maxnreg={} warps={} sep={} bm={} half={}".format(*v)
+            name = "gluon pps={} nbuf={} maxnreg={} warps={} sep={} bm={} half={} bitcast={}".format(*v[:8])
+            if len(v) > 8:
+                name += " prescaled"
             entries.append((name, lambda v=v: gluon_scores(qv, qs, dv, ds, *v), None))
         times = time_interleaved(entries, want, args.rounds)
         print(f"probe {Nq}x{B} {Lq}x{Ld}: {ranked_line(times, 'triton (package)')}", flush=True)
