@@ -88,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--entries", default="", help="comma-separated entry names (default: all)")
     ap.add_argument("--docs", type=int, default=10000)
+    ap.add_argument("--kind", choices=("int8", "fp8"), default="int8",
+                    help="the index's format (fp8: the default kernel and cuBLAS's int8 GEMM only; the variants and "
+                         "the Gluon probe are int8's)")
     args = ap.parse_args(argv)
     import triton.testing
 
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     q = torch.randn(1, 1024, 128, device="cuda", dtype=torch.bfloat16)
     docs = torch.randn(args.docs, 1024, 128, device="cuda", dtype=torch.bfloat16)
-    p = _layout.canonicalize(q, fm.quantize(docs, dtype="int8"), None, None, masked="exclude", smooth_tau=None)
+    p = _layout.canonicalize(q, fm.quantize(docs, dtype=args.kind), None, None, masked="exclude", smooth_tau=None)
     del docs
     launch.FORWARD_OVERRIDES.clear()
     want = forward_scores(launch, p)
@@ -112,8 +115,11 @@ def main(argv=None) -> int:
             return forward_scores(launch, p)
         return call
 
-    entries = {name: with_overrides(over) for name, over in TRITON_VARIANTS.items()}
+    entries = {name: with_overrides(over) for name, over in TRITON_VARIANTS.items()
+               if args.kind == "int8" or not over}
     try:
+        if args.kind != "int8":
+            raise ImportError("the Gluon probe scores int8 documents only")
         from gluon_int8_probe import gluon_scores
         from flash_maxsim.quantization import quantize_tokens
         qv, qs = quantize_tokens(p.queries)
@@ -136,13 +142,18 @@ def main(argv=None) -> int:
     ha = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8)
     hb = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8).t()
     entries["cublas-int8-8k"] = lambda: torch._int_mm(ha, hb)
-    unchecked = {"gluon-fold1/8", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k"}
+    unchecked = {"gluon-fold1/8", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k", "cublas-fp8-8k"}
+    if args.kind == "fp8":
+        # e4m3 products of the same count (torch._scaled_mm: per-tensor scales, bf16 output)
+        fa, fb = ha.to(torch.float8_e4m3fn), hb.t().contiguous().to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda", dtype=torch.float32)
+        entries["cublas-fp8-8k"] = lambda: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16)
     if args.entries:
         keep = args.entries.split(",")
         entries = {k: v for k, v in entries.items() if k in keep}
 
     energy = EnergyCounter(torch.cuda.current_device())
-    print(f"energy counter: {energy.source}; int8 1x{args.docs} 1024x1024, d=128", flush=True)
+    print(f"energy counter: {energy.source}; {args.kind} 1x{args.docs} 1024x1024, d=128", flush=True)
     rows: dict = {}
     with ClockSampler() as clocks:
         for r in range(args.rounds):
