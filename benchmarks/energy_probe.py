@@ -130,6 +130,11 @@ def main(argv=None) -> int:
         # the same floor with 256 query rows per program on 8 warps: each document tile copied once for twice the rows
         entries["gluon256-fold1/8"] = lambda: gluon_scores(qv, qs, dv, ds, 8, 3, nw=8, bm=256, bitcast=True,
                                                            fold_every=8)
+        from gluon_pingpong_probe import BOOST, pingpong_scores
+        boosted = p.document_scales.float() * BOOST
+        # two consumer warpgroups alternating their products and reductions, a producer warp (session 29)
+        entries["pingpong"] = lambda: pingpong_scores(qv, qs, dv, boosted, nbuf=4)
+        entries["consumers"] = lambda: pingpong_scores(qv, qs, dv, boosted, nbuf=4, pingpong=False)
     except ImportError as exc:
         print(f"no Gluon entry: {exc}")
     # the tensor cores' floor: one int8 GEMM of the row's products (1024 x 1024 x (docs x 128): the same multiply-adds,
