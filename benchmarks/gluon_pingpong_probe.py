@@ -30,6 +30,9 @@ partitions' barriers (each mbarrier arrive is preceded by a barrier of the parti
 ``TREE`` (each row's max as a tree of in-thread maxima instead of one chain) was slower still (2.969). Per
 instruction (``call10_*``): the products are never waited for; the consumers are bound by their own instructions,
 the scales' 32 ``LDS.64`` per tile (MIO queue) and ~300 of reduction, from two warps per sub-partition.
+``OWN_SCALES`` (each consumer loads its tile's scales a tile ahead and moves them into the accumulator's column
+layout by ``convert_layout``: 16 ``LDSM`` instead of 32 ``LDS.64``; ``call11_*``): 2.776 with the turn barriers,
+2.746 without, against 2.465: the scales' loads were not the bound either.
 """
 
 import argparse
@@ -75,7 +78,7 @@ def _rows_max_tree(s, rows_l: gl.constexpr):
 @gluon.jit
 def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
               q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-              stride_os, stride_oc, NBUF: gl.constexpr):
+              stride_os, stride_oc, NBUF: gl.constexpr, OWN_SCALES: gl.constexpr):
     """One warp: the query tile's two halves once, then each document tile and its 256 scales into the ring."""
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma.async_copy_global_to_shared(Q_DESC, [q_row0, 0], q_ready, q_smem.index(0))
@@ -93,7 +96,8 @@ def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty
         sc_after = gl.load(SCALES + run_tok + gl.minimum(i + 2, n_tiles - 1) * 256 + cols)
         # both consumers' products on buffer b (tile i - NBUF) are done; a fresh barrier passes phase 1 at once
         mbarrier.wait(empty.index(b), ((i // NBUF) & 1) ^ 1)
-        sc_smem.index(b).store(sc)
+        if not OWN_SCALES:
+            sc_smem.index(b).store(sc)
         # every lane's stores done before the one thread's arrive that comes with expect (release: the consumers'
         # wait then sees them)
         gl.thread_barrier()
@@ -105,7 +109,7 @@ def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty
 def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
              stride_os, stride_oc, NBUF: gl.constexpr, C: gl.constexpr, TILES_PER_DOC: gl.constexpr,
-             PINGPONG: gl.constexpr, TREE: gl.constexpr):
+             PINGPONG: gl.constexpr, TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     """Consumer ``C`` (0 or 1): query rows ``64 C + [0, 64)`` of the program's block against every tile."""
     # int8 warpgroup products of 128 tokens (Triton 3.6 refuses an s8 instruction of 256): two per k-step
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -123,6 +127,15 @@ def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty,
     a = q_smem.index(C)
     tj = tj0
     out = OUT + (2 * split + C) * stride_os
+    # OWN_SCALES: each consumer loads the tile's 256 scales itself, two per thread and a tile ahead, and moves them
+    # into the accumulator's column layout with convert_layout (the compiler's vectorised shared-memory exchange,
+    # as the package's kernel does: 8 LDS.128 for 32 columns) instead of 32 LDS.64 from the producer's copy
+    sc_blk_l: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+    sc_cols = gl.arange(0, 256, layout=sc_blk_l)
+    if OWN_SCALES:
+        sc_next = gl.load(SCALES + run_tok + sc_cols)
+    else:
+        sc_next = gl.zeros([256], gl.float32, layout=sc_blk_l)
     for i in range(n_tiles):
         b = i % NBUF
         mbarrier.wait(ready.index(b), (i // NBUF) & 1)
@@ -135,7 +148,11 @@ def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty,
         acc = warpgroup_mma(a, d_smem.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - C), count=1)
-        sc = sc_smem.index(b).load(cols_l)
+        if OWN_SCALES:
+            sc = gl.convert_layout(sc_next, cols_l)
+            sc_next = gl.load(SCALES + run_tok + gl.minimum(i + 1, n_tiles - 1) * 256 + sc_cols)
+        else:
+            sc = sc_smem.index(b).load(cols_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # every warp's scale loads and products on buffer b done before the one thread's arrive frees it
         gl.thread_barrier()
@@ -157,37 +174,37 @@ def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty,
 def _consumer0(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
                q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
                stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
-               TREE: gl.constexpr):
+               TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-             stride_os, stride_oc, NBUF, 0, TILES_PER_DOC, PINGPONG, TREE)
+             stride_os, stride_oc, NBUF, 0, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
 
 
 @gluon.jit
 def _consumer1(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
                q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
                stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
-               TREE: gl.constexpr):
+               TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-             stride_os, stride_oc, NBUF, 1, TILES_PER_DOC, PINGPONG, TREE)
+             stride_os, stride_oc, NBUF, 1, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
 
 
 @gluon.jit
 def _producer_worker(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
                      q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
                      stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
-                     TREE: gl.constexpr):
+                     TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
               q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-              stride_os, stride_oc, NBUF)
+              stride_os, stride_oc, NBUF, OWN_SCALES)
 
 
 @gluon.jit
 def maxsim_int8_pingpong_kernel(Q_DESC, D_DESC, SCALES, QSCALES, OUT, Lq, Ld, n_docs, docs_per_program, n_splits,
                                 stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = True,
-                                TREE: gl.constexpr = False):
+                                TREE: gl.constexpr = False, OWN_SCALES: gl.constexpr = False):
     pid = gl.program_id(0)
     split = pid % n_splits                       # the program's 128 query rows (one query: Nq = 1)
     t = pid // n_splits                          # its group of documents
@@ -215,13 +232,13 @@ def maxsim_int8_pingpong_kernel(Q_DESC, D_DESC, SCALES, QSCALES, OUT, Lq, Ld, n_
 
     args = (Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
             q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-            stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE)
+            stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer_worker, args)], [4, 1],
                        [CONSUMER_REGS, 40])
 
 
 def pingpong_scores(qv, qs, dv, ds_boosted, programs_per_sm=1, nbuf=3, consumer_regs=232, maxnreg=168,
-                    pingpong=True, tree=False):
+                    pingpong=True, tree=False, own_scales=False):
     """Scores [1, T] of one int8 query (values ``qv`` [1, Lq, d], scales ``qs``) against int8 documents ``dv``
     [T, Ld, d] whose fp32 token scales times 2^100 are ``ds_boosted`` [T, Ld]; Lq a multiple of 128, Ld of 256."""
     Nq, Lq, d = qv.shape
@@ -238,7 +255,8 @@ def pingpong_scores(qv, qs, dv, ds_boosted, programs_per_sm=1, nbuf=3, consumer_
     d_desc = TensorDescriptor(dv.view(T * Ld, d), [T * Ld, d], [d, 1], [TILE, d], d_layout)
     maxsim_int8_pingpong_kernel[(groups * n_splits,)](
         q_desc, d_desc, ds_boosted, qs.view(-1), out, Lq, Ld, T, docs, n_splits, out.stride(0), out.stride(2),
-        NBUF=nbuf, TILES_PER_DOC=Ld // TILE, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, TREE=tree, num_warps=4,
+        NBUF=nbuf, TILES_PER_DOC=Ld // TILE, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, TREE=tree, OWN_SCALES=own_scales,
+        num_warps=4,
         maxnreg=maxnreg)
     return out.sum(0)
 
@@ -263,10 +281,10 @@ def main(argv=None) -> int:
         qv, qs = quantize_tokens(p.queries)
         boosted = p.document_scales.float() * BOOST
         entries = [("triton (package)", lambda: forward_scores(launch, p), None)]
-        for nbuf, pingpong, tree in ((4, True, True), (4, True, False), (4, False, True), (3, True, True)):
-            entries.append((f"consumers nbuf={nbuf} pingpong={pingpong} tree={tree}",
-                            lambda nbuf=nbuf, pp=pingpong, tree=tree: pingpong_scores(
-                                qv, qs, p.documents, boosted, nbuf=nbuf, pingpong=pp, tree=tree), None))
+        for nbuf, pingpong, own in ((4, True, False), (4, True, True), (4, False, True)):
+            entries.append((f"consumers nbuf={nbuf} pingpong={pingpong} own_scales={own}",
+                            lambda nbuf=nbuf, pp=pingpong, own=own: pingpong_scores(
+                                qv, qs, p.documents, boosted, nbuf=nbuf, pingpong=pp, own_scales=own), None))
         times = time_interleaved(entries, want, args.rounds)
         print(f"pingpong 1x{B} 1024x1024: {ranked_line(times, 'triton (package)')}", flush=True)
     return 0
