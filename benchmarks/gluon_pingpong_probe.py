@@ -78,8 +78,10 @@ def _rows_max_tree(s, rows_l: gl.constexpr):
 @gluon.jit
 def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
               q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-              stride_os, stride_oc, NBUF: gl.constexpr, OWN_SCALES: gl.constexpr):
-    """One warp: the query tile's two halves once, then each document tile and its 256 scales into the ring."""
+              stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
+              TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
+    """One warp: the query tile's two halves once, then each document tile and its 256 scales into the ring. A
+    worker partition: its parameters are the other worker's (``_consumer1``), as Gluon requires."""
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma.async_copy_global_to_shared(Q_DESC, [q_row0, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(Q_DESC, [q_row0 + 64, 0], q_ready, q_smem.index(1))
@@ -108,8 +110,8 @@ def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty
 @gluon.jit
 def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-             stride_os, stride_oc, NBUF: gl.constexpr, C: gl.constexpr, TILES_PER_DOC: gl.constexpr,
-             PINGPONG: gl.constexpr, TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
+             stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
+             TREE: gl.constexpr, OWN_SCALES: gl.constexpr, C: gl.constexpr):
     """Consumer ``C`` (0 or 1): query rows ``64 C + [0, 64)`` of the program's block against every tile."""
     # int8 warpgroup products of 128 tokens (Triton 3.6 refuses an s8 instruction of 256): two per k-step
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -171,33 +173,13 @@ def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty,
 
 
 @gluon.jit
-def _consumer0(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-               q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-               stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
-               TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
-    _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-             q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-             stride_os, stride_oc, NBUF, 0, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
-
-
-@gluon.jit
 def _consumer1(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
                q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
                stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
                TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-             stride_os, stride_oc, NBUF, 1, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
-
-
-@gluon.jit
-def _producer_worker(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-                     q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-                     stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
-                     TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
-    _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
-              stride_os, stride_oc, NBUF, OWN_SCALES)
+             stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES, 1)
 
 
 @gluon.jit
@@ -233,7 +215,9 @@ def maxsim_int8_pingpong_kernel(Q_DESC, D_DESC, SCALES, QSCALES, OUT, Lq, Ld, n_
     args = (Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
             q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
             stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
-    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer_worker, args)], [4, 1],
+    # the default partition is consumer 0 (its function may take other arguments than the workers', which share one
+    # signature)
+    gl.warp_specialize([(_consume, args + (0,)), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, 40])
 
 
