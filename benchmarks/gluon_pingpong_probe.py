@@ -33,6 +33,10 @@ the scales' 32 ``LDS.64`` per tile (MIO queue) and ~300 of reduction, from two w
 ``OWN_SCALES`` (each consumer loads its tile's scales a tile ahead and moves them into the accumulator's column
 layout by ``convert_layout``: 16 ``LDSM`` instead of 32 ``LDS.64``; ``call11_*``): 2.776 with the turn barriers,
 2.746 without, against 2.465: the scales' loads were not the bound either.
+
+Left as measured (the numbers above are this code's): the explicit ``gl.thread_barrier()`` before the producer's
+expect and the consumers' ``empty`` arrive repeat the partition barrier Triton already puts before each arrive, and
+with ``OWN_SCALES`` the producer still loads the scales it no longer stores.
 """
 
 import argparse
@@ -77,14 +81,14 @@ def _rows_max_tree(s, rows_l: gl.constexpr):
 
 @gluon.jit
 def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-              q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
+              run_row, run_tok, n_tiles, tj0, split, QSCALES, Lq, q_tok0,
               stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
               TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     """One warp: the query tile's two halves once, then each document tile and its 256 scales into the ring. A
     worker partition: its parameters are the other worker's (``_consumer1``), as Gluon requires."""
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
-    tma.async_copy_global_to_shared(Q_DESC, [q_row0, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(Q_DESC, [q_row0 + 64, 0], q_ready, q_smem.index(1))
+    tma.async_copy_global_to_shared(Q_DESC, [q_tok0, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(Q_DESC, [q_tok0 + 64, 0], q_ready, q_smem.index(1))
     sc_l: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
     cols = gl.arange(0, 256, layout=sc_l)
     # the scales are loaded two tiles ahead: a load's latency (~1 us) per tile in this one warp's path was the
@@ -109,7 +113,7 @@ def _producer(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty
 
 @gluon.jit
 def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-             q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
+             run_row, run_tok, n_tiles, tj0, split, QSCALES, Lq, q_tok0,
              stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
              TREE: gl.constexpr, OWN_SCALES: gl.constexpr, C: gl.constexpr):
     """Consumer ``C`` (0 or 1): query rows ``64 C + [0, 64)`` of the program's block against every tile."""
@@ -174,11 +178,11 @@ def _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty,
 
 @gluon.jit
 def _consumer1(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-               q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
+               run_row, run_tok, n_tiles, tj0, split, QSCALES, Lq, q_tok0,
                stride_os, stride_oc, NBUF: gl.constexpr, TILES_PER_DOC: gl.constexpr, PINGPONG: gl.constexpr,
                TREE: gl.constexpr, OWN_SCALES: gl.constexpr):
     _consume(Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-             q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
+             run_row, run_tok, n_tiles, tj0, split, QSCALES, Lq, q_tok0,
              stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES, 1)
 
 
@@ -195,8 +199,7 @@ def maxsim_int8_pingpong_kernel(Q_DESC, D_DESC, SCALES, QSCALES, OUT, Lq, Ld, n_
     n_tiles = n_docs_here * TILES_PER_DOC
     run_row = tj0 * Ld                           # the run's first row of the [tokens, d] descriptor
     run_tok = tj0.to(gl.int64) * Ld
-    q_tok0 = split * 128
-    q_row0 = q_tok0                              # one query: its token rows are the descriptor's rows
+    q_tok0 = split * 128                         # one query: its token rows are the descriptor's rows too
 
     q_smem = gl.allocate_shared_memory(gl.int8, [2, 64, 128], Q_DESC.layout)
     d_smem = gl.allocate_shared_memory(gl.int8, [NBUF, 256, 128], D_DESC.layout)
@@ -213,7 +216,7 @@ def maxsim_int8_pingpong_kernel(Q_DESC, D_DESC, SCALES, QSCALES, OUT, Lq, Ld, n_
     mbarrier.init(q_ready, count=1)
 
     args = (Q_DESC, D_DESC, SCALES, OUT, q_smem, d_smem, sc_smem, ready, empty, q_ready, turn,
-            q_row0, run_row, run_tok, n_tiles, n_docs_here, tj0, split, QSCALES, Lq, q_tok0,
+            run_row, run_tok, n_tiles, tj0, split, QSCALES, Lq, q_tok0,
             stride_os, stride_oc, NBUF, TILES_PER_DOC, PINGPONG, TREE, OWN_SCALES)
     # the default partition is consumer 0 (its function may take other arguments than the workers', which share one
     # signature)
