@@ -131,6 +131,21 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale if scale else diff
 
 
+# Below fp32's normal range (2^-126) every operation rounds to an ABSOLUTE 2^-150, so a gradient whose largest entry
+# lies there keeps no relative precision: at temperature 0.02 a negative far below its positive gets softplus
+# gradient sigmoid(-100) ~ 4e-44, and the library's own fp32 gradient is then ~2% off its float64 one. From such a
+# term to an embedding's gradient the chain rule multiplies by at most 1 / temperature times Lq entries of size <= 1
+# (50 * 6 < 2^10 on these inputs), so a gradient above 2^-116 never passed through the subnormal range; below it
+# the comparison is absolute, at this floor.
+GRADIENT_FLOOR = 2.0 ** -116
+
+
+def gradient_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(max |want|, GRADIENT_FLOOR): relative for gradients in fp32's normal range."""
+    scale = max(want.detach().abs().max().item(), GRADIENT_FLOOR)
+    return (got.detach().double() - want.detach().double()).abs().max().item() / scale
+
+
 class Calls:
     """Counts what reaches ``flash_maxsim.maxsim`` (and the dtypes it gets) and the ``torch.einsum`` calls made
     by colpali-engine's own code (flash_maxsim's CPU path uses einsum too: only callers in colpali_engine count)."""
