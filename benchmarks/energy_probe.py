@@ -127,6 +127,12 @@ def main(argv=None) -> int:
         entries["gluon"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True)
         # a floor, not a scorer (wrong scores, unchecked): the same products, 1 tile in 8 reduced
         entries["gluon-fold1/8"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True, fold_every=8)
+        # the query tile as the products' A operand in registers (wgmma RS): half the shared-memory operand reads
+        entries["gluon-rs"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True, a_regs=True)
+        # the same, capped at 168 registers for 3 programs per SM as the SS form has (spills 18 words per tile)
+        entries["gluon-rs-168"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, maxnreg=168, bitcast=True, a_regs=True)
+        entries["gluon-fold1/8-rs"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True, fold_every=8,
+                                                           a_regs=True)
         # the same floor with 256 query rows per program on 8 warps: each document tile copied once for twice the rows
         entries["gluon256-fold1/8"] = lambda: gluon_scores(qv, qs, dv, ds, 8, 3, nw=8, bm=256, bitcast=True,
                                                            fold_every=8)
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     ha = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8)
     hb = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8).t()
     entries["cublas-int8-8k"] = lambda: torch._int_mm(ha, hb)
-    unchecked = {"gluon-fold1/8", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k", "cublas-fp8-8k"}
+    unchecked = {"gluon-fold1/8", "gluon-fold1/8-rs", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k", "cublas-fp8-8k"}
     if args.kind == "fp8":
         # e4m3 products of the same count (torch._scaled_mm: per-tensor scales, bf16 output)
         fa, fb = ha.to(torch.float8_e4m3fn), hb.t().contiguous().to(torch.float8_e4m3fn).t()

@@ -22,6 +22,10 @@ Session 29 (``BITCAST``: the int32 sums read as fp32 bits, as the package's kern
 ``run49/call1_gluon_bitcast_probe.txt``): 1x10k 2.831 against 2.586 ms, 1x1k 0.283 against 0.300. The row runs at
 the board's power cap, where time follows energy per call (``energy_probe.py``: this kernel 2.0 J, the package's
 1.84, this kernel reducing 1 tile in 8, ``FOLD_EVERY=8``, a floor with wrong scores, 1.78).
+Session 30 (``A_REGS``: the query tile as the products' A operand in registers, wgmma's RS form, so that each
+product reads only the document tile from shared memory; ``run50/call1_energy_rs.txt``): the floor 1.64 against
+1.76 J per call (2.38 against 2.53 ms sustained); the scorer 2.11 against 1.92 J, its 195 registers leaving 2
+programs per SM instead of 3.
 """
 
 import argparse
@@ -84,7 +88,7 @@ def maxsim_fwd_int8_hopper_kernel(
     stride_qmn, stride_qml, stride_os, stride_on, stride_oc,
     HAS_QMASK: gl.constexpr, BLOCK_D: gl.constexpr, NBUF: gl.constexpr, NUM_WARPS: gl.constexpr,
     SEPARATE_ACC: gl.constexpr = False, BM: gl.constexpr = 128, HALF: gl.constexpr = 64,
-    BITCAST: gl.constexpr = False, FOLD_EVERY: gl.constexpr = 1,
+    BITCAST: gl.constexpr = False, FOLD_EVERY: gl.constexpr = 1, A_REGS: gl.constexpr = False,
 ):
     TILE: gl.constexpr = 2 * HALF
     # accumulator of one product: 128 rows x 64 tokens over 1 or 2 warpgroups (4 or 8 warps)
@@ -117,6 +121,12 @@ def maxsim_fwd_int8_hopper_kernel(
     q_smem = gl.allocate_shared_memory(gl.int8, [BM, BLOCK_D], gl.NVMMASharedLayout.get_default_for([BM, BLOCK_D],
                                        gl.int8), q_vals)
     fence_async_shared()
+    if A_REGS:
+        # the query tile as the products' A operand in registers (wgmma's RS form: only the document tile is read
+        # from shared memory by each product)
+        a_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4))
+    else:
+        a_op = q_smem
 
     # the rows' validity and scales in the accumulator's row layout
     rtok = split * BM + gl.arange(0, BM, layout=rows_l)
@@ -148,7 +158,7 @@ def maxsim_fwd_int8_hopper_kernel(
     sc0 = _half_scales(SCALES, run_tok, cols_l, HALF, BITCAST)
     sc1 = _half_scales(SCALES, run_tok + HALF, cols_l, HALF, BITCAST)
     mbarrier.wait(ready.index(0), 0)
-    acc0 = warpgroup_mma(q_smem, d_smem.index(0).slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc0 = warpgroup_mma(a_op, d_smem.index(0).slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
     acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
     acc1 = zero
     # SEPARATE_ACC: a predicate the compiler cannot prove false (it is) for use_acc, so that each product's old
@@ -161,7 +171,7 @@ def maxsim_fwd_int8_hopper_kernel(
     for i in range(n_tiles - 1):
         b = i % NBUF
         # tile i's second half in flight while its first half is reduced
-        acc1 = warpgroup_mma(q_smem, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
+        acc1 = warpgroup_mma(a_op, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
                              is_async=True)
         if FOLD_EVERY == 1 or i % FOLD_EVERY == 0:
             m = _fold(acc0, sc0, m, BITCAST)
@@ -177,7 +187,7 @@ def maxsim_fwd_int8_hopper_kernel(
         # the next tile's first half in flight while this tile's second half is reduced
         nb = (i + 1) % NBUF
         mbarrier.wait(ready.index(nb), ((i + 1) // NBUF) & 1)
-        acc0 = warpgroup_mma(q_smem, d_smem.index(nb).slice(0, HALF).permute((1, 0)), acc0, use_acc=keep,
+        acc0 = warpgroup_mma(a_op, d_smem.index(nb).slice(0, HALF).permute((1, 0)), acc0, use_acc=keep,
                              is_async=True)
         if FOLD_EVERY == 1 or i % FOLD_EVERY == 0:
             m = _fold(acc1, sc1, m, BITCAST)
@@ -190,7 +200,7 @@ def maxsim_fwd_int8_hopper_kernel(
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
     # the last tile
     b = (n_tiles - 1) % NBUF
-    acc1 = warpgroup_mma(q_smem, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
+    acc1 = warpgroup_mma(a_op, d_smem.index(b).slice(HALF, HALF).permute((1, 0)), acc1, use_acc=keep,
                          is_async=True)
     m = _fold(acc0, sc0, m, BITCAST)
     acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
@@ -210,7 +220,7 @@ def _store_score(out, tj, stride_oc, m, q_scale, row_ok):
 
 
 def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=128, half=64, bitcast=False,
-                 prescaled=False, fold_every=1):
+                 prescaled=False, fold_every=1, a_regs=False):
     """Scores [Nq, T] of int8 queries (values ``qv``, scales ``qs``) against int8 documents ``dv`` [T, Ld, d] with
     scales ``ds`` (Ld a multiple of 2 * half), on a grid sized for ``pps`` programs per SM."""
     Nq, Lq, d = qv.shape
@@ -225,7 +235,7 @@ def gluon_scores(qv, qs, dv, ds, pps, nbuf, maxnreg=None, nw=4, sep=False, bm=12
     if prescaled:
         ds = ds.float() * 2.0**100
     kw = dict(HAS_QMASK=False, BLOCK_D=d, NBUF=nbuf, NUM_WARPS=nw, num_warps=nw, SEPARATE_ACC=sep, BM=bm, HALF=half,
-              BITCAST=bitcast, FOLD_EVERY=fold_every)
+              BITCAST=bitcast, FOLD_EVERY=fold_every, A_REGS=a_regs)
     if maxnreg:
         kw["maxnreg"] = maxnreg
     maxsim_fwd_int8_hopper_kernel[(groups * Nq * n_splits,)](
