@@ -389,8 +389,8 @@ def main(argv=None) -> int:
     clocks = None
     with contextlib.ExitStack() as stack:
         if args.clocks:
-            from gpu_clocks import ClockSampler
-            clocks = stack.enter_context(ClockSampler())
+            from gpu_clocks import ClockSampler, smi_id
+            clocks = stack.enter_context(ClockSampler(index=smi_id()))
         run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, clocks)
     # a failed direct launch switches every later one to Triton's path (slower on the host, same kernels): say so
     from flash_maxsim.kernels import _launcher

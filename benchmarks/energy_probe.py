@@ -36,16 +36,20 @@ TRITON_VARIANTS = {
 
 class EnergyCounter:
     """The board's total energy in millijoules since the driver loaded (NVML), read through pynvml where installed
-    (``nvml=True``), else by running ``command`` (nvidia-smi's ``total_energy_consumption``, GPU ``index``)."""
+    (``nvml=True``), else by running ``command`` (nvidia-smi's ``total_energy_consumption``). ``index``: NVML's index
+    of the board, or its PCI bus id (``gpu_clocks.smi_id``: the board torch's device is)."""
 
-    def __init__(self, index: int = 0, nvml: bool = True, command: str = "nvidia-smi"):
+    def __init__(self, index=0, nvml: bool = True, command: str = "nvidia-smi"):
         self.index, self.command = index, command
         self.source = command
         if nvml:
             try:
                 import pynvml
                 pynvml.nvmlInit()
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                if str(index).isdigit():
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(index))
+                else:
+                    handle = pynvml.nvmlDeviceGetHandleByPciBusId(str(index))
                 self.read = lambda: float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
                 self.source = "pynvml"
             except Exception:          # no pynvml, or no NVML driver: nvidia-smi below
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     from ab_forward import forward_scores
     from flash_maxsim import _layout
     from flash_maxsim.kernels import launch
-    from gpu_clocks import ClockSampler
+    from gpu_clocks import ClockSampler, smi_id
 
     torch.manual_seed(0)
     q = torch.randn(1, 1024, 128, device="cuda", dtype=torch.bfloat16)
@@ -163,10 +167,11 @@ def main(argv=None) -> int:
         keep = args.entries.split(",")
         entries = {k: v for k, v in entries.items() if k in keep}
 
-    energy = EnergyCounter(torch.cuda.current_device())
+    gpu = smi_id()
+    energy = EnergyCounter(gpu)
     print(f"energy counter: {energy.source}; {args.kind} 1x{args.docs} 1024x1024, d=128", flush=True)
     rows: dict = {}
-    with ClockSampler() as clocks:
+    with ClockSampler(index=gpu) as clocks:
         for r in range(args.rounds):
             for name, call in entries.items():
                 try:

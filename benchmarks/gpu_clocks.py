@@ -72,11 +72,25 @@ def summarize(samples: list) -> str:
             f"throttled: {', '.join(shares) if shares else 'none'} ({len(samples)} samples)")
 
 
+def smi_id(index: Optional[int] = None) -> str:
+    """The id under which nvidia-smi and NVML know torch's CUDA device ``index`` (default: the current one): its PCI
+    bus id where torch reports it, else the CUDA index. Why: CUDA's indices follow ``CUDA_VISIBLE_DEVICES`` (and put
+    the fastest board first), NVML's follow the bus, so the two can name different boards by the same number."""
+    import torch
+
+    index = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(index)
+    if all(hasattr(props, k) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return str(index)
+
+
 class ClockSampler:
-    """``nvidia-smi`` polling in the background for the duration of a ``with`` block (GPU ``index``); each sample is
+    """``nvidia-smi`` polling in the background for the duration of a ``with`` block (GPU ``index``: an index, UUID or
+    PCI bus id, as ``smi_id`` gives); each sample is
     stamped with ``time.monotonic()`` as it arrives, so that ``summary(t0, t1)`` speaks of one timed pass."""
 
-    def __init__(self, interval_ms: int = 20, index: int = 0, command: str = "nvidia-smi"):
+    def __init__(self, interval_ms: int = 20, index=0, command: str = "nvidia-smi"):
         self.command, self.interval_ms, self.index = command, interval_ms, index
         self.proc: Optional[subprocess.Popen] = None
         self.reader: Optional[threading.Thread] = None

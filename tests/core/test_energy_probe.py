@@ -60,3 +60,18 @@ def test_window_gives_time_energy_and_power_per_call(tmp_path):
     clocks.stamped.insert(1, (time.monotonic() + 0.3, gpu_clocks.Sample(1800, 700, 60, 4)))
     row = energy_probe.sustained(call, 0.6, energy, clocks, sync=lambda: None)
     assert row["MHz"] == 1800
+
+
+def test_counter_finds_the_board_in_nvml_by_index_or_bus_id(monkeypatch):
+    import types
+    found = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: found.append(("index", i)) or "h",
+        nvmlDeviceGetHandleByPciBusId=lambda bus: found.append(("bus", bus)) or "h",
+        nvmlDeviceGetTotalEnergyConsumption=lambda handle: 4200)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert energy_probe.EnergyCounter(2).read() == 4200.0
+    counter = energy_probe.EnergyCounter("00000000:1b:00.0")
+    assert counter.source == "pynvml" and counter.read() == 4200.0
+    assert found == [("index", 2), ("bus", "00000000:1b:00.0")]

@@ -67,3 +67,33 @@ def test_the_newer_drivers_field_name_is_tried_when_the_first_is_refused(tmp_pat
         while not clocks.stamped and time.monotonic() < deadline:
             time.sleep(0.05)
     assert clocks.summary().startswith("SM 1755 MHz") and "sw_power_cap 100%" in clocks.summary()
+
+
+class _Props:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def test_smi_id_names_the_board_by_its_pci_bus_id(monkeypatch):
+    # CUDA's index 1 under CUDA_VISIBLE_DEVICES may be NVML's board 5: the bus id names the same board for both
+    import torch
+    asked = []
+
+    def props(index):
+        asked.append(index)
+        return _Props(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0, name="GPU")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert gpu_clocks.smi_id() == "00000000:1b:00.0" and asked == [1]
+    assert gpu_clocks.smi_id(3) == "00000000:1b:00.0" and asked == [1, 3]
+    # a torch that does not report the bus: the CUDA index, as before
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props(name="GPU"))
+    assert gpu_clocks.smi_id() == "1"
+
+
+def test_sampler_queries_the_board_it_is_given(tmp_path):
+    smi = _fake_smi(tmp_path, f'echo "$*" >> {tmp_path}/args\necho "1, 1, 1, 0x0"\n')
+    with gpu_clocks.ClockSampler(command=smi, index="00000000:1b:00.0"):
+        pass
+    assert "--id=00000000:1b:00.0" in (tmp_path / "args").read_text().splitlines()[0]
