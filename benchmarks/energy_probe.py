@@ -135,6 +135,12 @@ def main(argv=None) -> int:
         entries["gluon-rs"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True, a_regs=True)
         # the same, capped at 168 registers for 3 programs per SM as the SS form has (spills 18 words per tile)
         entries["gluon-rs-168"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, maxnreg=168, bitcast=True, a_regs=True)
+        # 128 rows on two warpgroups of 64 (8 warps): RS takes 97 registers (offline sm_90), 2 programs per SM; capped
+        # at 80, 3 per SM, the SS form does not spill and the RS form spills 17 words per tile
+        entries["gluon-8w-80"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, maxnreg=80, nw=8, bitcast=True)
+        entries["gluon-rs-8w"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, nw=8, bitcast=True, a_regs=True)
+        entries["gluon-rs-8w-80"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, maxnreg=80, nw=8, bitcast=True,
+                                                         a_regs=True)
         entries["gluon-fold1/8-rs"] = lambda: gluon_scores(qv, qs, dv, ds, 24, 3, bitcast=True, fold_every=8,
                                                            a_regs=True)
         # the same floor with 256 query rows per program on 8 warps: each document tile copied once for twice the rows
