@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     ha = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8)
     hb = torch.randint(-127, 128, (8192, 19968), device="cuda", dtype=torch.int8).t()
     entries["cublas-int8-8k"] = lambda: torch._int_mm(ha, hb)
-    unchecked = {"gluon-fold1/8", "gluon-fold1/8-rs", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k", "cublas-fp8-8k"}
+    unchecked = {"gluon-fold1/8", "gluon-fold1/8-rs", "gluon256-fold1/8", "cublas-int8-gemm", "cublas-int8-8k",
+                 "cublas-fp8-8k"}
     if args.kind == "fp8":
         # e4m3 products of the same count (torch._scaled_mm: per-tensor scales, bf16 output)
         fa, fb = ha.to(torch.float8_e4m3fn), hb.t().contiguous().to(torch.float8_e4m3fn).t()

@@ -87,8 +87,8 @@ def smi_id(index: Optional[int] = None) -> str:
 
 class ClockSampler:
     """``nvidia-smi`` polling in the background for the duration of a ``with`` block (GPU ``index``: an index, UUID or
-    PCI bus id, as ``smi_id`` gives); each sample is
-    stamped with ``time.monotonic()`` as it arrives, so that ``summary(t0, t1)`` speaks of one timed pass."""
+    PCI bus id, as ``smi_id`` gives); each sample is stamped with ``time.monotonic()`` as it arrives, so that
+    ``summary(t0, t1)`` speaks of one timed pass."""
 
     def __init__(self, interval_ms: int = 20, index=0, command: str = "nvidia-smi"):
         self.command, self.interval_ms, self.index = command, interval_ms, index

@@ -124,9 +124,9 @@ def loss_rounding_bound(loss_value: torch.Tensor, max_logit_change: float) -> fl
     return 2 * min(1.0, abs(loss_value.item())) * max_logit_change
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (0 when both are all zero)."""
-    scale = want.detach().abs().max().item()
+def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, floor) (the absolute difference when that is 0)."""
+    scale = max(want.detach().abs().max().item(), floor)
     diff = (got.detach().double() - want.detach().double()).abs().max().item()
     return diff / scale if scale else diff
 
@@ -141,9 +141,8 @@ GRADIENT_FLOOR = 2.0 ** -116
 
 
 def gradient_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max(max |want|, GRADIENT_FLOOR): relative for gradients in fp32's normal range."""
-    scale = max(want.detach().abs().max().item(), GRADIENT_FLOOR)
-    return (got.detach().double() - want.detach().double()).abs().max().item() / scale
+    """``relative_error`` for gradients: relative in fp32's normal range, absolute below ``GRADIENT_FLOOR``."""
+    return relative_error(got, want, floor=GRADIENT_FLOOR)
 
 
 class Calls:
