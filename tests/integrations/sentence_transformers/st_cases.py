@@ -18,6 +18,11 @@ ORIGINAL = {name: getattr(st_similarity, name)
 ORIGINAL.update({name: getattr(st_colbert, name)
                  for name in ("colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores",
                               "mean_colbert_scores", "mean_colbert_scores_pairwise", "mean_colbert_kd_scores")})
+# sentence-transformers >= 6.3: the losses' default (similarity_fct=None) scores with the model's own similarity
+# through these helpers, one call per candidate column
+HELPERS = ("_colbert_scores", "_colbert_scores_pairwise", "_colbert_kd_scores")
+LOSSES_SCORE_WITH_THE_MODEL = hasattr(st_colbert, HELPERS[0])
+ORIGINAL.update({name: getattr(st_colbert, name) for name in HELPERS if hasattr(st_colbert, name)})
 
 QUERIES = [
     "what is the capital of france?",

@@ -2,9 +2,11 @@
 
 Each loss runs forward + backward on the real MiniLM MultiVectorEncoder (eval mode: no dropout), once with
 sentence-transformers' scoring (the oracle), then with flash_maxsim reached four ways: a loss built after
-enable() (default similarity_fct, one fused call), a loss built before enable() (it holds the original
-colbert_scores, whose inner maxsim is patched), the drop-in passed as similarity_fct without enable(), and the
-MeanMaxSim drop-in against sentence-transformers' MeanMaxSim function.
+enable() (default similarity_fct: as many fused calls as the drop-in makes, not one per candidate column), a
+loss built before enable() (up to 6.2 it holds the original colbert_scores, whose inner maxsim is patched; from
+6.3 it scores with the model's similarity), the drop-in passed as similarity_fct without enable(), and the
+MeanMaxSim drop-in against sentence-transformers' MeanMaxSim function. From 6.3 the default losses follow the
+model's similarity_fn_name (MeanMaxSim models included) and a ``use_kernels`` model's scorer.
 
 Gradients are compared for the parameters of the projection and of the last transformer layer: the layers below
 are frozen to keep this CPU suite within its time budget (their gradients are functions of the same gradient
@@ -19,7 +21,7 @@ import torch
 from flash_maxsim.integrations import sentence_transformers as fst
 from sentence_transformers.multi_vector_encoder import losses
 
-from st_cases import DOCUMENTS, ORIGINAL, QUERIES, features
+from st_cases import DOCUMENTS, LOSSES_SCORE_WITH_THE_MODEL, ORIGINAL, QUERIES, features
 
 # name -> (loss class, extra constructor arguments, default scoring function, MeanMaxSim scoring function)
 LOSSES = {
@@ -89,9 +91,17 @@ def test_loss_and_parameter_gradients_equal_sentence_transformers(model, mask_co
     assert not flash_calls
     with fst.enabled():
         loss = cls(model, **kwargs)
-        assert loss.similarity_fct.__name__ == default_fn          # what the model card reports is unchanged
+        # what the model card reports is unchanged
+        if LOSSES_SCORE_WITH_THE_MODEL:
+            assert loss.similarity_fct is None
+        else:
+            assert loss.similarity_fct.__name__ == default_fn
         _assert_same(_run(model, loss, name), expected)
     assert flash_calls
+    default_calls = len(flash_calls)
+    flash_calls.clear()
+    _run(model, cls(model, similarity_fct=getattr(fst, default_fn), **kwargs), name)
+    assert default_calls == len(flash_calls)          # fused as the drop-in is, not one call per column
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
@@ -99,7 +109,10 @@ def test_losses_built_before_enable_and_drop_ins(model, name, flash_calls):
     cls, kwargs, default_fn, _ = LOSSES[name]
     expected = _run(model, cls(model, **kwargs), name)
     built_before = cls(model, **kwargs)
-    assert built_before.similarity_fct is ORIGINAL[default_fn]
+    if LOSSES_SCORE_WITH_THE_MODEL:
+        assert built_before.similarity_fct is None
+    else:
+        assert built_before.similarity_fct is ORIGINAL[default_fn]
     with fst.enabled():
         _assert_same(_run(model, built_before, name), expected)
     assert flash_calls
@@ -126,3 +139,44 @@ def test_a_loss_built_while_enabled_falls_back_after_disable(model, flash_calls)
         loss = cls(model, **kwargs)
     _assert_same(_run(model, loss, name), expected)
     assert not flash_calls                    # sentence-transformers' own scoring again once disabled
+
+
+@pytest.mark.skipif(not LOSSES_SCORE_WITH_THE_MODEL, reason="sentence-transformers >= 6.3: losses score with the "
+                    "model's similarity")
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_default_losses_follow_a_meanmaxsim_model(model, name, flash_calls):
+    cls, kwargs, _, mean_fn = LOSSES[name]
+    saved = model.similarity_fn_name
+    model.similarity_fn_name = "meanmaxsim"
+    try:
+        expected = _run(model, cls(model, **kwargs), name)
+        # sentence-transformers' default is then MeanMaxSim: the same as passing its mean function
+        _assert_same(_run(model, cls(model, similarity_fct=ORIGINAL[mean_fn], **kwargs), name), expected)
+        assert not flash_calls
+        with fst.enabled():
+            _assert_same(_run(model, cls(model, **kwargs), name), expected)
+        assert flash_calls
+    finally:
+        model.similarity_fn_name = saved
+
+
+@pytest.mark.skipif(not LOSSES_SCORE_WITH_THE_MODEL, reason="sentence-transformers >= 6.3: use_kernels scorers")
+@pytest.mark.parametrize("length_normalize", [False, True])
+@pytest.mark.parametrize("name", ["mnrl", "distill_kl", "margin_mse"])
+def test_default_losses_of_a_use_kernels_model(model, name, length_normalize, flash_calls):
+    """A model built with ``use_kernels`` holds a ``_MaxSimScorer``; without a kernel config it scores with
+    sentence-transformers' own torch code, the oracle here. Enabled, flash_maxsim scores in its place."""
+    from sentence_transformers.multi_vector_encoder.scoring.colbert import _MaxSimScorer
+
+    cls, kwargs, _, _ = LOSSES[name]
+    saved = model.similarity_fn_name, model._similarity, model._similarity_pairwise
+    scorer = _MaxSimScorer(None, length_normalize=length_normalize)
+    model._similarity, model._similarity_pairwise = scorer, scorer.pairwise
+    try:
+        expected = _run(model, cls(model, **kwargs), name)
+        assert not flash_calls
+        with fst.enabled():
+            _assert_same(_run(model, cls(model, **kwargs), name), expected)
+        assert flash_calls
+    finally:
+        model._similarity_fn_name, model._similarity, model._similarity_pairwise = saved

@@ -7,12 +7,13 @@ import logging
 import sys
 
 import pytest
+import torch
 
 from flash_maxsim.integrations import sentence_transformers as fst
 from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from sentence_transformers.util.similarity import SimilarityFunction
 
-from st_cases import DOCUMENTS, ORIGINAL, QUERIES
+from st_cases import DOCUMENTS, LOSSES_SCORE_WITH_THE_MODEL, ORIGINAL, QUERIES
 
 ORIGINAL_METHODS = {name: MultiVectorEncoder.__dict__[name] for name in ("similarity", "similarity_pairwise")}
 
@@ -31,11 +32,23 @@ ALIASES = [
     ("sentence_transformers.multi_vector_encoder.scoring.colbert", "colbert_scores"),
     ("sentence_transformers.multi_vector_encoder.scoring", "colbert_kd_scores"),
     ("sentence_transformers.multi_vector_encoder.scoring", "mean_colbert_scores_pairwise"),
-    ("sentence_transformers.multi_vector_encoder.losses.multiple_negatives_ranking", "colbert_scores"),
-    ("sentence_transformers.multi_vector_encoder.losses.cached_multiple_negatives_ranking", "colbert_scores"),
-    ("sentence_transformers.multi_vector_encoder.losses.distill_kl_div", "colbert_kd_scores"),
-    ("sentence_transformers.multi_vector_encoder.losses.margin_mse", "colbert_scores_pairwise"),
 ]
+if LOSSES_SCORE_WITH_THE_MODEL:     # 6.3+: the losses hold the helpers that score with the model's similarity
+    ALIASES += [
+        ("sentence_transformers.multi_vector_encoder.scoring.colbert", "_colbert_scores"),
+        ("sentence_transformers.multi_vector_encoder.scoring.colbert", "_colbert_scores_pairwise"),
+        ("sentence_transformers.multi_vector_encoder.scoring.colbert", "_colbert_kd_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.multiple_negatives_ranking", "_colbert_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.cached_multiple_negatives_ranking", "_colbert_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.distill_kl_div", "_colbert_kd_scores"),
+    ]
+else:
+    ALIASES += [
+        ("sentence_transformers.multi_vector_encoder.losses.multiple_negatives_ranking", "colbert_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.cached_multiple_negatives_ranking", "colbert_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.distill_kl_div", "colbert_kd_scores"),
+        ("sentence_transformers.multi_vector_encoder.losses.margin_mse", "colbert_scores_pairwise"),
+    ]
 
 
 def _current(module, attribute):
@@ -141,3 +154,32 @@ def test_every_module_that_imports_the_functions_by_name_is_covered():
             assert id(_current(module, attribute)) not in originals, f"{module}.{attribute} not replaced"
     finally:
         fst.disable()
+
+
+def test_a_use_kernels_model_scores_with_flash_maxsim_while_enabled(flash_calls):
+    """sentence-transformers >= 6.3 with the ``kernels`` package: a model built with ``use_kernels=True`` holds a
+    hub-kernel MaxSim scorer (on the CPU it falls back to sentence-transformers' torch code, the oracle). Enabled,
+    flash_maxsim scores in its place and the hub kernels are never configured (nothing is downloaded)."""
+    pytest.importorskip("kernels")
+    from sentence_transformers.multi_vector_encoder.scoring.colbert import _MaxSimScorer
+
+    from st_cases import model_dir
+
+    torch.manual_seed(0)
+    model = MultiVectorEncoder(model_dir(), device="cpu", use_kernels=True)
+    model.eval()
+    scorer = model._similarity
+    assert isinstance(scorer, _MaxSimScorer)
+    queries, documents = model.encode_query(QUERIES[:3]), model.encode_document(DOCUMENTS[:5])
+    with fst.enabled():
+        got = model.similarity(queries, documents), model.similarity_pairwise(queries, documents[:3])
+        model.similarity_fn_name = "meanmaxsim"          # the scorer's own length normalisation is followed
+        got_mean = model.similarity(queries, documents)
+        model.similarity_fn_name = "maxsim"
+    assert len(flash_calls) == 3 and scorer._operations == {}
+    expected = model.similarity(queries, documents), model.similarity_pairwise(queries, documents[:3])
+    model.similarity_fn_name = "meanmaxsim"
+    expected_mean = model.similarity(queries, documents)
+    for value, want in zip((*got, got_mean), (*expected, expected_mean)):
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got_mean, got[0])
