@@ -1,6 +1,6 @@
 """sentence-transformers (>= 6.0) integration: ``MultiVectorEncoder`` MaxSim through flash_maxsim.
 
-Two ways to use it:
+Three ways to use it:
 
 - ``enable()`` (and ``disable()``, ``is_enabled()``, ``enabled()``): unchanged sentence-transformers code then
   scores with flash_maxsim: ``util.similarity.maxsim`` / ``maxsim_pairwise`` / ``mean_maxsim`` /
@@ -10,6 +10,9 @@ Two ways to use it:
   ``use_kernels``: its MaxSim scorer is replaced, its other kernels are not), the private helpers through which
   6.3's losses score with the model's similarity by default (fused into one call), and through all of these
   the evaluators.
+- ``kernel_config()`` (sentence-transformers >= 6.3): ``MultiVectorEncoder(..., kernel_config=kernel_config())``
+  scores that model's MaxSim with flash_maxsim through sentence-transformers' own kernel mechanism, nothing
+  patched (the layers are a local ``kernels`` repository in this package, ``st_kernel_repo``);
 - the drop-in callables of this module, with sentence-transformers' signatures, e.g.
   ``MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=colbert_scores)``: they always score with
   flash_maxsim, enabled or not.
@@ -43,6 +46,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
@@ -578,6 +582,79 @@ def mean_colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mas
     return colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=queries_mask,
                              documents_mask=documents_mask, chunk_elements=chunk_elements,
                              length_normalize=length_normalize)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sentence-transformers >= 6.3: a per-model kernel through its ``kernel_config`` (nothing patched)
+# --------------------------------------------------------------------------------------------------------------
+
+# a `kernels` layer repository in this package (loaded by the `kernels` package, not imported by flash_maxsim)
+KERNEL_REPOSITORY = Path(__file__).with_name("st_kernel_repo")
+
+
+def kernel_config():
+    """A ``transformers.KernelConfig`` that makes a sentence-transformers (>= 6.3) ``MultiVectorEncoder`` score
+    MaxSim with flash_maxsim, that model only, with nothing patched::
+
+        model = MultiVectorEncoder("lightonai/GTE-ModernColBERT-v1", kernel_config=flash_st.kernel_config())
+
+    Its ``similarity`` / ``similarity_pairwise``, the losses' default scoring and the evaluators then score with
+    flash_maxsim; sentence-transformers still chunks and pads the inputs and calls it once per chunk (the
+    ``enable()`` route packs ragged documents instead). The two targets are ``STMaxSim`` and
+    ``STMaxSimPairwise``; the layers live in this package (a local `kernels` repository: no download). Needs
+    the ``kernels`` package (``pip install "sentence-transformers[kernels]"``; transformers >= 5.25 installs
+    it)."""
+    import sentence_transformers
+    from sentence_transformers.multi_vector_encoder.scoring import colbert as st_colbert
+
+    if not hasattr(st_colbert, "_MaxSimScorer"):
+        raise ImportError(f"kernel_config() needs sentence-transformers >= 6.3 (its MaxSim kernel targets); found "
+                          f"{sentence_transformers.__version__}: use enable() or the drop-ins instead")
+    try:
+        import kernels  # noqa: F401
+    except ImportError as error:
+        raise ImportError('kernel_config() needs the `kernels` package: pip install "sentence-transformers[kernels]"'
+                          ) from error
+    from transformers import KernelConfig
+
+    if not (KERNEL_REPOSITORY / "torch-universal" / "metadata.json").is_file():
+        # `kernels` would fall back to sentence-transformers' own MaxSim without a word
+        raise FileNotFoundError(f"flash_maxsim's kernel repository is missing from this install: "
+                                f"{KERNEL_REPOSITORY}")
+    return KernelConfig(kernel_mapping={"STMaxSim": f"{KERNEL_REPOSITORY}:MaxSim",
+                                        "STMaxSimPairwise": f"{KERNEL_REPOSITORY}:MaxSimPairwise"},
+                        use_local_kernel=True)
+
+
+def chunk_scores(a: Tensor, b: Tensor, a_mask: Optional[Tensor], b_mask: Optional[Tensor],
+                 pairs: bool = False) -> Tensor:
+    """One chunk as sentence-transformers' ``_maxsim_score_documents`` (``[len(a), len(b)]``) or, with
+    ``pairs``, ``_maxsim_score_pairs`` (``[len(a)]``) score it: padded ``[N, tokens, dim]`` tensors whose masks
+    the caller built (a missing mask: every token counts, zero rows included), float32 scores,
+    :data:`EMPTY_DOCUMENT_SCORE` for a document without a scoreable token. What the kernel repository's
+    layers run. A query mask with values other than 0/1 (which weights the tokens there) goes to
+    sentence-transformers' own function."""
+    if _has_weights(a_mask):
+        from sentence_transformers.util import similarity as st_similarity
+
+        own = st_similarity._maxsim_score_pairs if pairs else st_similarity._maxsim_score_documents
+        return own(a, b, a_mask, b_mask)
+    device = b.device
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    dtype = dtype if dtype in _KERNEL_DTYPES else torch.float32
+    queries_mask = a_mask.to(device).bool() if a_mask is not None else None
+    valid = b_mask.to(device).bool() if b_mask is not None else \
+        torch.ones(b.shape[:2], dtype=torch.bool, device=device)
+    queries, documents = a.to(device=device, dtype=dtype), b.to(dtype)
+    empty = ~valid.any(-1)
+    if pairs:
+        scores = _paired(queries, queries_mask, documents.unsqueeze(1), valid.unsqueeze(1))[:, 0]
+        return scores.masked_fill(empty, EMPTY_DOCUMENT_SCORE)
+    if b.shape[1] == 0:
+        scores = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=device)
+    else:
+        scores = _flash.maxsim(queries, documents, queries_mask, valid, masked="exclude")
+    return scores.masked_fill(empty[None, :], EMPTY_DOCUMENT_SCORE)
 
 
 # --------------------------------------------------------------------------------------------------------------

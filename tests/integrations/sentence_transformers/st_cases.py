@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")        # no model hub here: everything loads from local files
@@ -10,6 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 from sentence_transformers.util import similarity as st_similarity
+from sentence_transformers.multi_vector_encoder import losses
 from sentence_transformers.multi_vector_encoder.scoring import colbert as st_colbert
 
 # sentence-transformers' own functions, captured before any test can patch them
@@ -101,3 +103,70 @@ def build_tiny_encoder(directory, device="cpu", hidden=64, layers=2, seed=0):
     encoder = MultiVectorEncoder(str(directory), device=device)
     encoder.eval()
     return encoder
+
+
+# The multi-vector losses, shared by the loss tests and the kernel-config tests
+# name -> (loss class, extra constructor arguments, default scoring function, MeanMaxSim scoring function)
+LOSSES = {
+    "mnrl": (losses.MultiVectorMultipleNegativesRankingLoss, {}, "colbert_scores", "mean_colbert_scores"),
+    # one embedding mini-batch per column (the GradCache replay is sentence-transformers' own code), scores in
+    # two query chunks
+    "cached_mnrl": (losses.CachedMultiVectorMultipleNegativesRankingLoss,
+                    {"mini_batch_size": 4, "score_mini_batch_size": 2}, "colbert_scores", "mean_colbert_scores"),
+    "distill_kl": (losses.MultiVectorDistillKLDivLoss, {"temperature": 0.5}, "colbert_kd_scores",
+                   "mean_colbert_kd_scores"),
+    "margin_mse": (losses.MultiVectorMarginMSELoss, {}, "colbert_scores_pairwise", "mean_colbert_scores_pairwise"),
+}
+
+# query, positive and hard-negative columns; documents 8 and 10 lose every token under keep_only
+COLUMNS = [QUERIES[:4], DOCUMENTS[:4], DOCUMENTS[6:10], DOCUMENTS[8:12]]
+
+
+def loss_batch(name):
+    generator = torch.Generator().manual_seed(5)
+    if name == "distill_kl":
+        return COLUMNS, torch.randn(4, 3, generator=generator) * 3        # teacher scores per candidate
+    if name == "margin_mse":
+        return COLUMNS[:3], torch.randn(4, generator=generator)            # teacher margins
+    return COLUMNS[:3], None
+
+
+def run_loss(model, loss, name):
+    """Forward + backward of ``loss`` on the batch for ``name``: (loss value, parameter gradients)."""
+    columns, labels = loss_batch(name)
+    model.zero_grad(set_to_none=True)
+    inputs = [features(model, texts, "query" if i == 0 else "document") for i, texts in enumerate(columns)]
+    value = loss(inputs, labels)
+    value.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return value.detach(), grads
+
+
+def assert_same_loss(got, expected):
+    value, grads = got
+    expected_value, expected_grads = expected
+    torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10      # the last layer, the projection
+    # one absolute scale for all tensors: some gradients are zero in exact arithmetic (e.g. attention key
+    # biases, which softmax cancels) and hold only rounding noise
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    assert scale > 0
+    for key in expected_grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+@contextlib.contextmanager
+def train_top_only(model):
+    """Gradients for the projection and the last transformer layer only: the layers below are frozen to keep
+    the CPU suites within their time budget (their gradients are functions of the same gradient flowing back
+    through the last layer, which is compared)."""
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("1.") or ".encoder.layer.5." in n)     # the projection, the last layer
+    try:
+        yield
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
