@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The integrations' round on the GPU machine (device tool): GPU parity tests and the recipes' device tables for
 # sentence-transformers, colpali-engine and PyLate. Needs `.whl` carried (bash ../shared/device/wheels.sh).
-# Logs and JSON go to $OUT (6 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all]...
+# Logs and JSON go to $OUT (6 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all|st63]...
+# `st63` (not in `all`): the sentence-transformers suite again on 6.3 (kernel_config, use_kernels), from the wheels
+# scripts/st63_wheels.sh put in .whl-st63 (carry it: `carry: [".whl-st63"]`).
 # Tests run on WORKERS pytest-xdist processes (default 8; colpali-engine's on COLPALI_WORKERS, default 3): the
 # suites are bound by Triton compilation, which parallel workers overlap.
 set -uo pipefail
@@ -38,4 +40,14 @@ if want st; then
     timeout "${TABLE_S:-150}" python3 benchmarks/st_similarity.py "$out/st_similarity.json"; echo "st table rc=$?"
   ) > "$out/st.log" 2>&1
   grep -E "rc=|passed|failed|error" "$out/st.log" | tail -n 6
+fi
+
+if [[ " $parts " == *" st63 "* ]]; then
+  ( python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PWD/.site-st63" \
+      .whl-st63/*.whl || exit 1
+    export PYTHONPATH="$PWD/.site-st63:$PWD/src:$PWD"
+    python3 -c "import sentence_transformers, transformers, kernels; print('st', sentence_transformers.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)"
+    pytest_q tests/integrations/sentence_transformers; echo "st63 tests rc=$?"
+  ) > "$out/st63.log" 2>&1
+  grep -E "rc=|passed|failed|error|^st " "$out/st63.log" | tail -n 6
 fi

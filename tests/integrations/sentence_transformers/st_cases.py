@@ -82,9 +82,11 @@ TINY_WORDS = ("the of is and to in at what who how why do eat see boiling point 
               "paris berlin germany painted mona lisa cats dogs dark night sky blue pandas bamboo").split()
 
 
-def build_tiny_encoder(directory, device="cpu", hidden=64, layers=2, seed=0):
+def build_tiny_encoder(directory, device="cpu", hidden=64, layers=2, seed=0, **encoder_args):
     """A small, randomly initialised BERT MultiVectorEncoder built offline (for machines without the MiniLM
-    package): a WordPiece vocabulary of letters, punctuation and the words of QUERIES/DOCUMENTS."""
+    package): a WordPiece vocabulary of letters, punctuation and the words of QUERIES/DOCUMENTS. ``encoder_args``
+    go to ``MultiVectorEncoder`` (e.g. ``kernel_config``); the same ``directory`` and ``seed`` give the same
+    network."""
     import string
 
     from sentence_transformers import MultiVectorEncoder
@@ -100,7 +102,7 @@ def build_tiny_encoder(directory, device="cpu", hidden=64, layers=2, seed=0):
     BertModel(config).save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     torch.manual_seed(seed)                   # the projection MultiVectorEncoder adds is random too
-    encoder = MultiVectorEncoder(str(directory), device=device)
+    encoder = MultiVectorEncoder(str(directory), device=device, **encoder_args)
     encoder.eval()
     return encoder
 

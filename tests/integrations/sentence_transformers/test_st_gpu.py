@@ -14,7 +14,7 @@ import flash_maxsim
 from flash_maxsim.integrations import sentence_transformers as fst
 from sentence_transformers.multi_vector_encoder import evaluation, losses
 
-from st_cases import DOCUMENTS, ORIGINAL, QUERIES, build_tiny_encoder, features
+from st_cases import DOCUMENTS, LOSSES_SCORE_WITH_THE_MODEL, ORIGINAL, QUERIES, build_tiny_encoder, features
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -183,3 +183,51 @@ def test_model_similarity_and_evaluator_on_cuda(tiny_model, kernel_devices):
     assert metrics.keys() == expected_metrics.keys()
     for key, value in expected_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _needs_kernels():
+    if not LOSSES_SCORE_WITH_THE_MODEL:
+        pytest.skip("sentence-transformers >= 6.3 (kernel_config, use_kernels)")
+    pytest.importorskip("kernels")
+
+
+@pytest.fixture(scope="module")
+def tiny_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_encoder_63")
+
+
+def test_kernel_config_model_on_cuda(tiny_directory, kernel_devices):
+    """kernel_config() on CUDA: the local layers load for a CUDA build of torch (variant torch-universal) and
+    score with the Triton kernels; similarity, pairwise and the default MNRL loss equal the plain model's."""
+    _needs_kernels()
+    plain = build_tiny_encoder(tiny_directory, device="cuda")
+    model = build_tiny_encoder(tiny_directory, device="cuda", kernel_config=fst.kernel_config())
+    queries, documents = plain.encode_query(QUERIES), plain.encode_document(DOCUMENTS)
+    expected = plain.similarity(queries, documents), plain.similarity_pairwise(queries, documents[:6])
+    assert not kernel_devices
+    got = model.similarity(queries, documents), model.similarity_pairwise(queries, documents[:6])
+    assert kernel_devices == ["cuda", "cuda"]
+    for value, want in zip(got, expected):
+        _close(value, want)
+    columns = [QUERIES[:4], DOCUMENTS[:4], DOCUMENTS[6:10]]
+    expected_value, expected_grads = _loss_run(plain, losses.MultiVectorMultipleNegativesRankingLoss(plain),
+                                               columns, None)
+    value, grads = _loss_run(model, losses.MultiVectorMultipleNegativesRankingLoss(model), columns, None)
+    torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5)
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    for key in expected_grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_enable_takes_over_a_use_kernels_model_on_cuda(tiny_directory, kernel_devices):
+    """A use_kernels model on CUDA would fetch late-interaction-kernels from the Hub for MaxSim; enabled,
+    flash_maxsim scores instead and the Hub kernels are never configured (this machine has no network)."""
+    _needs_kernels()
+    plain = build_tiny_encoder(tiny_directory, device="cuda")
+    model = build_tiny_encoder(tiny_directory, device="cuda", use_kernels=True)
+    queries, documents = plain.encode_query(QUERIES), plain.encode_document(DOCUMENTS)
+    expected = plain.similarity(queries, documents)
+    with fst.enabled():
+        got = model.similarity(queries, documents)
+    assert kernel_devices == ["cuda"] and model._similarity._operations == {}
+    _close(got, expected)
