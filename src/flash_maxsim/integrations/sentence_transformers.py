@@ -602,8 +602,8 @@ def kernel_config():
     flash_maxsim; sentence-transformers still chunks and pads the inputs and calls it once per chunk (the
     ``enable()`` route packs ragged documents instead). The two targets are ``STMaxSim`` and
     ``STMaxSimPairwise``; the layers live in this package (a local `kernels` repository: no download). Needs
-    the ``kernels`` package (``pip install "sentence-transformers[kernels]"``; transformers >= 5.25 installs
-    it)."""
+    the ``kernels`` package (``pip install "sentence-transformers[kernels]"``; transformers 5.25 installs it
+    too)."""
     import sentence_transformers
     from sentence_transformers.multi_vector_encoder.scoring import colbert as st_colbert
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -183,3 +184,22 @@ def test_a_use_kernels_model_scores_with_flash_maxsim_while_enabled(flash_calls)
     for value, want in zip((*got, got_mean), (*expected, expected_mean)):
         torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got_mean, got[0])
+
+
+def test_kernel_config_says_what_it_needs(monkeypatch, tmp_path):
+    if not LOSSES_SCORE_WITH_THE_MODEL:
+        with pytest.raises(ImportError, match="sentence-transformers >= 6.3"):
+            fst.kernel_config()
+        return
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "kernels", None)            # not installed
+        with pytest.raises(ImportError, match="`kernels` package"):
+            fst.kernel_config()
+    if importlib.util.find_spec("kernels") is None:
+        return
+    with monkeypatch.context() as patched:
+        patched.setattr(fst, "KERNEL_REPOSITORY", tmp_path / "missing")
+        with pytest.raises(FileNotFoundError, match="kernel repository is missing"):
+            fst.kernel_config()
+    config = fst.kernel_config()
+    assert config.use_local_kernel and set(config.kernel_mapping) == {"STMaxSim", "STMaxSimPairwise"}
