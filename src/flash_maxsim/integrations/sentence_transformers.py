@@ -378,10 +378,7 @@ def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize
         D = documents.padded.to(scoring_device)
         valid = documents.mask.to(scoring_device).bool() if documents.mask is not None else D.any(-1)
         empty = ~valid.any(-1)
-        if D.shape[1] == 0:
-            scores = torch.zeros(Q.shape[0], D.shape[0], dtype=torch.float32, device=scoring_device)
-        else:
-            scores = _flash.maxsim(Q, D.to(dtype), qmask, valid, masked="exclude")
+        scores = _all_pairs(Q, qmask, D.to(dtype), valid)
     return _finish(scores, empty.to(scoring_device)[None, :], counts if length_normalize else None, result_device)
 
 
@@ -457,6 +454,13 @@ def _pair_ranges(lengths: List[int], per_token: int, per_pair: int, budget: int)
             start, wider = i, n
         width = wider
     yield start, len(lengths)
+
+
+def _all_pairs(Q: Tensor, qmask: Optional[Tensor], D: Tensor, valid: Tensor) -> Tensor:
+    """Scores ``[N, M]`` of every query against every padded document (``D`` ``[M, Ld, d]``)."""
+    if D.shape[1] == 0:
+        return torch.zeros(Q.shape[0], D.shape[0], dtype=torch.float32, device=D.device)
+    return _flash.maxsim(Q, D, qmask, valid, masked="exclude")
 
 
 def _paired(Q: Tensor, qmask: Tensor, D: Tensor, valid: Tensor) -> Tensor:
@@ -649,12 +653,8 @@ def chunk_scores(a: Tensor, b: Tensor, a_mask: Optional[Tensor], b_mask: Optiona
     empty = ~valid.any(-1)
     if pairs:
         scores = _paired(queries, queries_mask, documents.unsqueeze(1), valid.unsqueeze(1))[:, 0]
-        return scores.masked_fill(empty, EMPTY_DOCUMENT_SCORE)
-    if b.shape[1] == 0:
-        scores = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=device)
-    else:
-        scores = _flash.maxsim(queries, documents, queries_mask, valid, masked="exclude")
-    return scores.masked_fill(empty[None, :], EMPTY_DOCUMENT_SCORE)
+        return _finish(scores, empty, None, device)
+    return _finish(_all_pairs(queries, queries_mask, documents, valid), empty[None, :], None, device)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -754,11 +754,7 @@ def _resolve_scorer(score) -> Optional[tuple]:
     holds), or a ``use_kernels`` model's scorer."""
     method = _MODEL_METHODS.get(getattr(score, "__func__", None)) if hasattr(score, "__self__") else None
     if method is not None:
-        attribute, kind = _MODEL_SCORERS[method]
-        model = score.__self__
-        model.similarity_fn_name  # noqa: B018 (resolves the scoring function on first use)
-        resolved = _resolve_scorer(getattr(model, attribute))
-        return resolved if resolved is not None and resolved[0] == kind else None
+        return _model_scorer(score.__self__, method)
     try:
         known = _SCORERS.get(getattr(score, "_flash_maxsim_original", score))
     except TypeError:                                        # an unhashable callable: not one of ours
@@ -766,16 +762,23 @@ def _resolve_scorer(score) -> Optional[tuple]:
     return known if known is not None else _kernel_scorer(score)
 
 
+def _model_scorer(model, method_name: str) -> Optional[tuple]:
+    """:func:`_resolve_scorer` for what ``model.<method_name>`` (``similarity`` / ``similarity_pairwise``) scores
+    with: the function the model holds, when it is of the method's kind."""
+    attribute, kind = _MODEL_SCORERS[method_name]
+    model.similarity_fn_name  # noqa: B018 (resolves the scoring function on first use)
+    resolved = _resolve_scorer(getattr(model, attribute))
+    return resolved if resolved is not None and resolved[0] == kind else None
+
+
 def _model_method(original: Callable, method_name: str) -> Callable:
     """``MultiVectorEncoder.similarity`` / ``similarity_pairwise``: a model resolves its scoring function once,
     when its ``similarity_fn_name`` is set, so models built before enable() hold the original."""
-    attribute, kind = _MODEL_SCORERS[method_name]
 
     @functools.wraps(original)
     def method(self, embeddings1, embeddings2, **kwargs):
-        self.similarity_fn_name  # noqa: B018 (resolves the scoring function on first use)
-        resolved = _resolve_scorer(getattr(self, attribute))
-        if resolved is None or resolved[0] != kind:
+        resolved = _model_scorer(self, method_name)
+        if resolved is None:
             return original(self, embeddings1, embeddings2, **kwargs)
         return resolved[1](embeddings1, embeddings2, **kwargs)
 

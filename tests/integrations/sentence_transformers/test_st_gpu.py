@@ -142,6 +142,16 @@ def _loss_run(model, loss, columns, labels):
     return value.detach(), grads
 
 
+def _assert_loss_close(got, expected):
+    """Loss values and parameter gradients, on CUDA's tolerances (one absolute scale for all gradients)."""
+    (value, grads), (expected_value, expected_grads) = got, expected
+    torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5)
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    assert grads.keys() == expected_grads.keys() and scale > 0
+    for key in grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-3, atol=1e-4 * scale)
+
+
 @pytest.mark.parametrize("name", ["mnrl", "cached_mnrl", "distill_kl", "margin_mse"])
 def test_losses_on_cuda(tiny_model, name, kernel_devices):
     columns = [QUERIES[:4], DOCUMENTS[:4], DOCUMENTS[6:10], DOCUMENTS[8:12]]
@@ -160,11 +170,7 @@ def test_losses_on_cuda(tiny_model, name, kernel_devices):
     with fst.enabled():
         value, grads = _loss_run(tiny_model, make(), columns, labels)
     assert "cuda" in kernel_devices
-    torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5)
-    scale = max(g.abs().max().item() for g in expected_grads.values())
-    assert grads.keys() == expected_grads.keys() and scale > 0
-    for key in grads:
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-3, atol=1e-4 * scale)
+    _assert_loss_close((value, grads), (expected_value, expected_grads))
 
 
 def test_model_similarity_and_evaluator_on_cuda(tiny_model, kernel_devices):
@@ -213,10 +219,7 @@ def test_kernel_config_model_on_cuda(tiny_directory, kernel_devices):
     expected_value, expected_grads = _loss_run(plain, losses.MultiVectorMultipleNegativesRankingLoss(plain),
                                                columns, None)
     value, grads = _loss_run(model, losses.MultiVectorMultipleNegativesRankingLoss(model), columns, None)
-    torch.testing.assert_close(value, expected_value, rtol=1e-4, atol=1e-5)
-    scale = max(g.abs().max().item() for g in expected_grads.values())
-    for key in expected_grads:
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-3, atol=1e-4 * scale)
+    _assert_loss_close((value, grads), (expected_value, expected_grads))
 
 
 def test_enable_takes_over_a_use_kernels_model_on_cuda(tiny_directory, kernel_devices):
