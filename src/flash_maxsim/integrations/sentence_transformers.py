@@ -304,6 +304,18 @@ def _prepare_queries(side: _Side, device, dtype):
     return queries, mask, counts
 
 
+def _fused_inputs(queries: _Side, documents: _Side, device, result_device):
+    """``(Q, qmask, counts, scoring_device, dtype)`` for one fused call, or None where sentence-transformers' own
+    function must score (a query mask weighting tokens; a ragged list's mask marking positions past an item)."""
+    _check_dims(queries, documents)
+    if _has_weights(queries.mask) or _marks_padding(documents):
+        return None
+    scoring_device = torch.device(device) if device is not None else result_device
+    dtype = _common_dtype(queries, documents)
+    Q, qmask, counts = _prepare_queries(queries, scoring_device, dtype)
+    return Q, qmask, counts, scoring_device, dtype
+
+
 def _fallback(name: str, *args, **kwargs) -> Tensor:
     """sentence-transformers' own function, for the rare inputs the kernels cannot express exactly."""
     from sentence_transformers.util import similarity as st_similarity
@@ -343,13 +355,11 @@ def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize
     if queries.count == 0 or documents.count == 0:
         return torch.zeros(queries.count, documents.count, dtype=torch.float32,
                            device=documents.device or queries.device)
-    _check_dims(queries, documents)
-    if _has_weights(queries.mask) or _marks_padding(documents):
+    fused = _fused_inputs(queries, documents, device, result_device)
+    if fused is None:
         return _fallback("maxsim", a, b, a_mask=a_mask, b_mask=b_mask, chunk_elements=chunk_elements,
                          length_normalize=length_normalize, device=device)
-    scoring_device = torch.device(device) if device is not None else result_device
-    dtype = _common_dtype(queries, documents)
-    Q, qmask, counts = _prepare_queries(queries, scoring_device, dtype)
+    Q, qmask, counts, scoring_device, dtype = fused
 
     if documents.items is not None:
         lengths = documents.lengths
@@ -395,13 +405,11 @@ def maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_
     result_device = _result_device(queries, documents)
     if queries.count == 0:
         return torch.zeros(0, dtype=torch.float32, device=documents.device or queries.device)
-    _check_dims(queries, documents)
-    if _has_weights(queries.mask) or _marks_padding(documents):
+    fused = _fused_inputs(queries, documents, device, result_device)
+    if fused is None:
         return _fallback("maxsim_pairwise", a, b, a_mask=a_mask, b_mask=b_mask, chunk_elements=chunk_elements,
                          length_normalize=length_normalize, device=device)
-    scoring_device = torch.device(device) if device is not None else result_device
-    dtype = _common_dtype(queries, documents)
-    Q, qmask, counts = _prepare_queries(queries, scoring_device, dtype)
+    Q, qmask, counts, scoring_device, dtype = fused
     if documents.items is not None:
         # the fused per-pair layout is padded: pad a bounded number of pairs at a time, each to its own width
         lengths = documents.lengths
