@@ -18,7 +18,9 @@ stamp="$venv/.ready-$(printf '%s ' "$@" | md5sum | cut -c1-12)"
 base=""
 if [ "${1:-}" = "--on" ]; then
   base="$2"; shift 2
-  base_args="$(awk -F'\t' -v env="$base" '$2 == env {print $4; exit}' "$root/tests/suites.tsv")"
+  base_line="$(awk -F'\t' -v env="$base" '$2 == env {print "+" $4; exit}' "$root/tests/suites.tsv")"
+  if [ -z "$base_line" ]; then echo "env.sh: no suite in tests/suites.tsv uses the environment '$base' (--on)" >&2; exit 2; fi
+  base_args="${base_line#+}"
   # shellcheck disable=SC2086
   base_py="$(bash "$root/scripts/env.sh" "$base" $base_args | tail -n 1)"
 fi
