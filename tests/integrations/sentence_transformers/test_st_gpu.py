@@ -224,10 +224,14 @@ def test_kernel_config_model_on_cuda(tiny_directory, kernel_devices):
 
 def test_enable_takes_over_a_use_kernels_model_on_cuda(tiny_directory, kernel_devices):
     """A use_kernels model on CUDA would fetch late-interaction-kernels from the Hub for MaxSim; enabled,
-    flash_maxsim scores instead and the Hub kernels are never configured (this machine has no network)."""
+    flash_maxsim scores instead and the Hub kernels are never configured (this machine has no network).
+    Built on the CPU and then moved: built on CUDA, transformers kernelizes the backbone at once and, offline,
+    fails fetching its activation kernels from the Hub (before any scorer exists). The scorer configures its
+    kernels per device at the first score, so the moved model's scores on CUDA take the same route."""
     _needs_kernels()
     plain = build_tiny_encoder(tiny_directory, device="cuda")
-    model = build_tiny_encoder(tiny_directory, device="cuda", use_kernels=True)
+    model = build_tiny_encoder(tiny_directory, device="cpu", use_kernels=True).to("cuda")
+    assert model._similarity.kernel_config is not None      # unpatched, it would configure the Hub's MaxSim
     queries, documents = plain.encode_query(QUERIES), plain.encode_document(DOCUMENTS)
     expected = plain.similarity(queries, documents)
     with fst.enabled():
