@@ -23,14 +23,33 @@ import retrieval_fidelity as rf  # noqa: E402  (puts src/ on the path too)
 import flash_maxsim  # noqa: E402
 
 # (kind, elements per scale); "fp8-search": e4m3 with each scale picked among 16 steps of 2^(1/16) below amax / 448 as
-# the one with the least squared error (session 24: does a better per-token scale, not a finer one, close the gap?)
-VARIANTS = [("int8", 128), ("fp8", 128), ("fp8", 32), ("fp8", 16), ("int8", 32), ("fp8-search", 128)]
+# the one with the least squared error (session 24: does a better per-token scale, not a finer one, close the gap?);
+# "-rotated": the features turned by a fixed randomised Hadamard rotation before quantising and back after
+# (session 34: scores are unchanged by an orthogonal turn of both sides, but the rounding error of q . d is
+# sum_i q_i^2 d_i^2 eps_i^2, which a turn that spreads each token over all features can lower)
+VARIANTS = [("int8", 128), ("fp8", 128), ("fp8", 32), ("fp8", 16), ("int8", 32), ("fp8-search", 128),
+            ("int8-rotated", 128), ("fp8-rotated", 128)]
 SEARCH_STEPS = 16
+ROTATION_SEED = 0
+
+
+def randomized_hadamard(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
+    """An orthonormal [d, d] Sylvester Hadamard matrix with randomly signed rows (d a power of two)."""
+    if d & (d - 1):
+        raise ValueError(f"the rotated variants need a power-of-two feature size, got d={d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    return (signs[:, None] * h / d ** 0.5).float()
 
 
 def fake_quantize(values: torch.Tensor, group: int, kind: str) -> torch.Tensor:
     """Symmetric quantisation with one fp32 scale per ``group`` consecutive features, dequantised."""
     n, d = values.shape
+    if kind.endswith("-rotated"):
+        turn = randomized_hadamard(d)
+        return fake_quantize(values.float() @ turn, group, kind[: -len("-rotated")]) @ turn.T
     v = values.float().view(n, d // group, group)
     amax = v.abs().amax(-1, keepdim=True).clamp_min(1e-12)
     if kind == "fp8":
