@@ -10,8 +10,9 @@ export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
 if [[ "$what" == tests || "$what" == all ]]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest -n "${WORKERS:-8}" tests/core/test_gpu.py tests/core/test_quantization.py tests/core/test_interpreter.py \
-    tests/core/test_backward_variants.py tests/core/test_autocast.py -q -p no:cacheprovider -rfEs \
+  timeout "${TESTS_S:-240}" python3 -m pytest -n "${WORKERS:-8}" tests/core/test_gpu.py tests/core/test_quantization.py \
+    tests/core/test_interpreter.py tests/core/test_backward_variants.py tests/core/test_autocast.py \
+    tests/core/test_errors.py -q -p no:cacheprovider -rfEs \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?"; tail -n 15 "$out/gpu_tests.txt"
 fi
 if [[ "$what" == sanitizer || "$what" == all ]]; then

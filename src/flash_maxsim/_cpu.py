@@ -88,6 +88,16 @@ def _qvalid(p, qs):
     return p.queries_mask[qs].bool()[:, None, :]
 
 
+def _smooth_max(s, tau):
+    """``tau * logsumexp(s / tau)`` over the last axis, computed as ``m + tau * log(sum exp((s - m) / tau))`` with
+    ``m`` the row's max (0 for a row of -inf), as the kernels and the reference do: ``s / tau`` itself overflows fp32
+    for small tau (max 2^128). A row holding +inf gives NaN (inf - inf), as in the kernels."""
+    m = s.amax(-1, keepdim=True)
+    shift = torch.where(m == float("-inf"), torch.zeros((), device=s.device), m)
+    terms = (s - shift).div_(tau).exp_()                                        # one block-sized temporary
+    return (shift + tau * torch.log(terms.sum(-1, keepdim=True)))[..., 0]
+
+
 def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
     Nq, Lq, _ = p.queries.shape
     C = p.num_columns
@@ -101,7 +111,7 @@ def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
         s, valid_b = _similarities(p, qs, D, in_doc, valid, zero_masked)
         qvalid = _qvalid(p, qs)
         if smooth:
-            lse = smooth_tau * torch.logsumexp(s / smooth_tau, -1)
+            lse = _smooth_max(s, smooth_tau)
             empty = lse == float("-inf")
             row = torch.where(empty | ~qvalid, torch.zeros((), device=device), lse)
             if save_aux:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import math
+import operator
+import reprlib
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -10,6 +11,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASKED_MODES = ("exclude", "zero")
+SMOOTH_TAU_RANGE = (2.0 ** -100, 2.0 ** 100)
 
 
 class PackedDocuments(NamedTuple):
@@ -23,10 +25,44 @@ class PackedDocuments(NamedTuple):
 
 
 def pack(documents: Sequence[torch.Tensor]) -> PackedDocuments:
-    """Concatenate a list of ``[Ld_t, d]`` tensors into :class:`PackedDocuments` (differentiable)."""
+    """Concatenate a list of ``[Ld_t, d]`` tensors (one dtype, device and ``d``) into :class:`PackedDocuments`
+    (differentiable)."""
     documents = list(documents)
     if not documents:
         raise ValueError("pack: `documents` is an empty list; expected at least one [Ld, d] tensor")
+    _check_document_list(documents)
+    return _pack_checked(documents)
+
+
+def _check_document_list(documents: list) -> None:
+    """Every item a ``[Ld_i, d]`` tensor of the first one's dtype, device and ``d``, or an error naming the first
+    that is not. One pass collecting the distinct (dtype, device, rank, d): a 20k-document list costs ~0.5 us per
+    document; the slow pass runs only to name a culprit."""
+    try:
+        kinds = {(x.dtype, x.device, x.dim(), x.shape[-1], x.layout) for x in documents}
+    except (AttributeError, IndexError, TypeError):
+        kinds = None
+    if kinds is not None and len(kinds) == 1 and next(iter(kinds))[2] == 2 and \
+            next(iter(kinds))[4] == torch.strided:
+        return
+    first = None
+    for i, x in enumerate(documents):
+        _check_tensor(f"documents[{i}]", x)
+        if x.dim() != 2:
+            raise ValueError(f"`documents[{i}]` has shape [{_shape(x)}]; expected [Ld_i, d]")
+        first = x if first is None else first
+        if x.dtype != first.dtype:
+            raise TypeError(f"`documents[{i}]` has dtype {x.dtype} but `documents[0]` has {first.dtype}; "
+                            "every document must have one dtype")
+        if x.device != first.device:
+            raise ValueError(f"`documents[{i}]` is on {x.device} but `documents[0]` on {first.device}")
+        if x.shape[-1] != first.shape[-1]:
+            raise ValueError(f"`documents[{i}]` has feature size {x.shape[-1]} (shape [{_shape(x)}]); expected "
+                             f"d={first.shape[-1]} as in `documents[0]`")
+        _check_strided(f"documents[{i}]", x)
+
+
+def _pack_checked(documents: list) -> PackedDocuments:
     lengths = [int(x.shape[0]) for x in documents]
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -77,6 +113,13 @@ def _shape(x) -> str:
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+    _check_strided(name, x)
+
+
+def _check_strided(name: str, x: torch.Tensor) -> None:
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"`{name}` is a {'nested' if x.is_nested else x.layout} tensor; expected a dense (strided) "
+                        "one (.to_dense(); nested documents: a list of [Ld_i, d] tensors)")
 
 
 def _as_mask(name: str, mask, expected_shape: tuple, device) -> Optional[torch.Tensor]:
@@ -102,6 +145,48 @@ def _check_floating(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
         raise TypeError(f"`{name}` has dtype {x.dtype} but `queries` has {dtype}; cast one of them so both match")
 
 
+def _is_packed(documents) -> bool:
+    """PackedDocuments, or a ``(values, offsets[, max_length])`` tuple: a 1-D second item (a tuple of ``[Ld_i, d]``
+    documents is a list of documents, as in :func:`flash_maxsim.reference.maxsim` and ``quantize``)."""
+    if isinstance(documents, PackedDocuments):
+        return True
+    return isinstance(documents, tuple) and len(documents) in (2, 3) and \
+        all(isinstance(v, torch.Tensor) for v in documents[:2]) and documents[1].dim() == 1
+
+
+def _as_max_length(max_length) -> Optional[int]:
+    """PackedDocuments' ``max_length``: None or an int >= 0 (trusted, not checked against the offsets: that would
+    cost a device-to-host read, which ``max_length`` exists to save)."""
+    if max_length is None:
+        return None
+    try:
+        value = operator.index(max_length)
+    except TypeError:
+        raise TypeError(f"`documents.max_length` must be an int or None, got {type(max_length).__name__}") from None
+    if value < 0 or isinstance(max_length, bool):
+        raise ValueError(f"`documents.max_length` must be an int >= 0 or None, got {max_length!r}")
+    return value
+
+
+def _mask_list(documents_mask, count: int, device) -> list:
+    """Per-document masks given as a sequence: one tensor (or list of 0/1) per document, as tensors on ``device``."""
+    if not isinstance(documents_mask, (list, tuple)):
+        raise TypeError(f"`documents_mask` must be a tensor or a list of per-document [Ld_i] masks, got "
+                        f"{type(documents_mask).__name__}")
+    if len(documents_mask) != count:
+        raise ValueError(f"`documents_mask` has {len(documents_mask)} entries; expected one [Ld_i] mask per "
+                         f"document ({count})")
+    masks = []
+    for i, m in enumerate(documents_mask):
+        if m is None or isinstance(m, (str, bytes)):
+            raise TypeError(f"`documents_mask[{i}]` must be a tensor or a list of 0/1, got {type(m).__name__}")
+        m = torch.as_tensor(m, device=device)
+        if m.dim() != 1:
+            raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(m)}]; expected [Ld_{i}]")
+        masks.append(m)
+    return masks
+
+
 def _is_quantized(documents) -> bool:
     from .quantization import QuantizedDocuments   # imported here: quantization builds on this module
     return isinstance(documents, QuantizedDocuments)
@@ -121,12 +206,19 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             raise TypeError(f"`smooth_tau` must be a float > 0 or None, got {type(smooth_tau).__name__}")
         if not smooth_tau > 0:
             raise ValueError(f"`smooth_tau` must be > 0, got {smooth_tau}")
+        if not SMOOTH_TAU_RANGE[0] <= smooth_tau <= SMOOTH_TAU_RANGE[1]:
+            # the kernels scale similarities by log2(e) / tau in fp32, which must be finite and nonzero; below the
+            # range the smooth max equals the hard max to within tau * log(Ld) anyway
+            raise ValueError(f"`smooth_tau` must lie in [2**-100, 2**100], got {reprlib.repr(smooth_tau)}")
     quantized = not isinstance(documents, torch.Tensor) and _is_quantized(documents)
     scales = None
     if quantized:
         if documents_mask is None:
             documents_mask = documents.mask
         scales = documents.scales
+        if tuple(scales.shape) != tuple(documents.values.shape[:-1]):
+            raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}]; expected "
+                             f"[{', '.join(map(str, documents.values.shape[:-1]))}], the values' shape without d")
         documents = documents.values if documents.offsets is None else \
             PackedDocuments(documents.values, documents.offsets, documents.max_length)
     single = queries.dim() == 2
@@ -141,6 +233,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
     qmask = _as_mask("queries_mask", qmask, (Nq, Lq), device)
 
     def check_docs(name, x):
+        _check_strided(name, x)
         if quantized:
             if x.dtype not in (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8)):
                 raise TypeError(f"quantized `{name}` has dtype {x.dtype}; expected int8 or float8_e4m3fn")
@@ -154,16 +247,16 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
 
     offsets = None
     candidates = 0
-    if isinstance(documents, (PackedDocuments, tuple)) and len(documents) in (2, 3) \
-            and all(isinstance(v, torch.Tensor) for v in documents[:2]):
+    if _is_packed(documents):
         values, offsets = documents[0], documents[1]
-        max_length = documents[2] if len(documents) == 3 else None
+        max_length = _as_max_length(documents[2]) if len(documents) == 3 else None
         if values.dim() != 2:
             raise ValueError(f"packed `documents.values` has shape [{_shape(values)}]; expected [sum Ld, d]")
         check_docs("documents.values", values)
         if offsets.dim() != 1 or offsets.shape[0] < 1 or offsets.dtype.is_floating_point:
             raise ValueError(f"`documents.offsets` has shape [{_shape(offsets)}], dtype {offsets.dtype}; "
                              "expected an integer tensor [T + 1]")
+        _check_strided("documents.offsets", offsets)
         if offsets.device != device:
             raise ValueError(f"`documents.offsets` is on {offsets.device}; expected {device}")
         offsets = offsets.to(torch.int64).contiguous()
@@ -179,9 +272,17 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
                                  f"values.shape[0]={values.shape[0]}; got first={first}, last={last}")
             max_length = longest
         docs = values
-        dmask = _as_mask("documents_mask", documents_mask, (values.shape[0],), device) \
-            if documents_mask is None or isinstance(documents_mask, torch.Tensor) else \
-            _as_mask("documents_mask", torch.cat([torch.as_tensor(m) for m in documents_mask]), (values.shape[0],), device)
+        if documents_mask is None or isinstance(documents_mask, torch.Tensor):
+            dmask = _as_mask("documents_mask", documents_mask, (values.shape[0],), device)
+        else:
+            masks = _mask_list(documents_mask, offsets.shape[0] - 1, device)
+            mask_offsets = torch.tensor([0] + [m.shape[0] for m in masks]).cumsum(0)
+            if not torch.equal(mask_offsets, offsets.cpu()):     # one host read, on this layout only
+                i = int((mask_offsets[1:] - mask_offsets[:-1] != (offsets[1:] - offsets[:-1]).cpu())
+                        .nonzero()[0, 0])
+                raise ValueError(f"`documents_mask[{i}]` has shape [{masks[i].shape[0]}]; expected "
+                                 f"[{int(offsets[i + 1] - offsets[i])}], the length of document {i}")
+            dmask = _as_mask("documents_mask", torch.cat(masks), (values.shape[0],), device)
     elif isinstance(documents, torch.Tensor):
         if documents.dim() == 3:
             check_docs("documents", documents)
@@ -207,36 +308,21 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             max_length = 1
             dmask = None
         else:
-            # one pass collecting the distinct (dtype, device, rank, feature size): a 20k-document list costs
-            # ~0.5 us per document instead of a per-document check; the slow pass runs only to name a culprit
-            try:
-                kinds = {(x.dtype, x.device, x.dim(), x.shape[-1]) for x in documents}
-            except (AttributeError, IndexError, TypeError):
-                kinds = None
-            if kinds is None or len(kinds) != 1 or next(iter(kinds))[2] != 2:
-                for i, x in enumerate(documents):
-                    _check_tensor(f"documents[{i}]", x)
-                    if x.dim() != 2:
-                        raise ValueError(f"`documents[{i}]` has shape [{_shape(x)}]; expected [Ld_i, d]")
-                    check_docs(f"documents[{i}]", x)
-            else:
-                check_docs("documents[0]", documents[0])
-            packed = pack(documents)
-            docs, offsets, max_length = packed
+            _check_document_list(documents)
+            check_docs("documents[0]", documents[0])          # the rest are like it
+            docs, offsets, max_length = _pack_checked(documents)
             if documents_mask is None:
                 dmask = None
             else:
                 if isinstance(documents_mask, torch.Tensor) and documents_mask.dim() == 1:
                     flat = documents_mask
                 else:
-                    if len(documents_mask) != len(documents):
-                        raise ValueError(f"`documents_mask` has {len(documents_mask)} entries; expected one "
-                                         f"[Ld_i] mask per document ({len(documents)})")
-                    for i, (m, x) in enumerate(zip(documents_mask, documents)):
-                        if tuple(torch.as_tensor(m).shape) != (x.shape[0],):
-                            raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(torch.as_tensor(m))}]; "
-                                             f"expected [{x.shape[0]}]")
-                    flat = torch.cat([torch.as_tensor(m, device=device) for m in documents_mask])
+                    masks = _mask_list(documents_mask, len(documents), device)
+                    for i, (m, x) in enumerate(zip(masks, documents)):
+                        if tuple(m.shape) != (x.shape[0],):
+                            raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(m)}]; expected "
+                                             f"[{x.shape[0]}]")
+                    flat = torch.cat(masks)
                 dmask = _as_mask("documents_mask", flat, (docs.shape[0],), device)
     else:
         raise TypeError(f"`documents` must be a tensor, a list of tensors or PackedDocuments, "
@@ -244,7 +330,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
 
     if quantized:
         want = tuple(docs.shape[:-1])
-        scales = scales.reshape(want) if scales.numel() == math.prod(want) else scales
+        scales = scales.reshape(want)                  # checked above against the values' own shape
         if tuple(scales.shape) != want or scales.device != device:
             raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}] on {scales.device}; "
                              f"expected [{', '.join(map(str, want))}] on {device}")

@@ -189,7 +189,8 @@ class _EagerMaxSim(torch.autograd.Function):
         return scores, aux
 
     @staticmethod
-    def backward(ctx, grad_scores, _grad_aux):
+    @torch.autograd.function.once_differentiable   # first order only: the saved aux is not differentiable, so a
+    def backward(ctx, grad_scores, _grad_aux):      # second derivative taken through this would be wrong; it raises
         queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_scores is None:

@@ -28,11 +28,14 @@ from typing import Optional
 
 import torch
 
-from ._layout import PackedDocuments
+from ._layout import PackedDocuments, _is_packed, _mask_list, pack
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 # the index's scales (module docstring): 2 bytes where that reads faster (measured on the device), 4 elsewhere
 _INDEX_SCALE_DTYPE = {"int8": torch.bfloat16, "fp8": torch.float32}
+# QuantizedDocuments.save's file: a dict of tensors and plain values, tagged so that load() knows its own
+_SAVE_FORMAT = "flash_maxsim.QuantizedDocuments"
+_SAVE_VERSION = 1
 
 
 def _storage_dtype(kind: str) -> torch.dtype:
@@ -88,6 +91,30 @@ class QuantizedDocuments:
         return QuantizedDocuments(self.values.to(device), self.scales.to(device), move(self.offsets),
                                   move(self.mask), self.max_length, self.kind)
 
+    def save(self, f) -> None:
+        """Write the index to ``f`` (a path or a binary file) through ``torch.save``, as tensors and plain values
+        only, so that :meth:`load` reads it back under ``torch.load``'s default ``weights_only=True``: loading an
+        index runs no pickled code. (``torch.save(index, f)`` of the object itself works too, but reading that
+        back needs ``weights_only=False`` or ``torch.serialization.safe_globals([QuantizedDocuments])``.)"""
+        torch.save({"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "kind": self.kind, "values": self.values,
+                    "scales": self.scales, "offsets": self.offsets, "mask": self.mask,
+                    "max_length": self.max_length}, f)
+
+    @classmethod
+    def load(cls, f, map_location=None) -> "QuantizedDocuments":
+        """The index that :meth:`save` wrote to ``f``; ``map_location`` as in ``torch.load`` (e.g. ``"cpu"``)."""
+        state = torch.load(f, map_location=map_location, weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != _SAVE_FORMAT:
+            raise ValueError("`f` does not hold an index written by QuantizedDocuments.save (for an object saved "
+                             "with torch.save(index, f), use torch.load(f, weights_only=False) on a trusted file)")
+        if state.get("version") != _SAVE_VERSION:
+            raise ValueError(f"`f` holds an index in save format version {state.get('version')}; this flash_maxsim "
+                             f"reads version {_SAVE_VERSION}")
+        if state["values"].dtype != _storage_dtype(state["kind"]):
+            raise ValueError(f"`f` holds a {state['kind']!r} index whose values are {state['values'].dtype}")
+        return cls(state["values"], state["scales"], state["offsets"], state["mask"], state["max_length"],
+                   state["kind"])
+
     def dequantize(self, dtype: torch.dtype = torch.float32):
         """The approximated documents in ``dtype``, in the layout they were given (packed -> PackedDocuments)."""
         dense = (self.values.to(torch.float32) * self.scales.to(torch.float32)[..., None]).to(dtype)
@@ -102,16 +129,19 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
     on a GPU needs native fp8 support (compute capability >= 8.9), checked when scoring."""
     _storage_dtype(dtype)          # an unknown or unsupported dtype fails before any work
     offsets = max_length = None
-    if isinstance(documents, (list, tuple)) and not isinstance(documents, PackedDocuments) and \
-            not (len(documents) in (2, 3) and all(isinstance(v, torch.Tensor) for v in documents[:2])
-                 and documents[1].dim() == 1):
-        from ._layout import pack
-        documents = pack(documents)
-        if documents_mask is not None and not isinstance(documents_mask, torch.Tensor):
-            documents_mask = torch.cat([torch.as_tensor(m, device=documents.values.device) for m in documents_mask])
-    if isinstance(documents, tuple):
+    if isinstance(documents, (list, tuple)) and not _is_packed(documents):
+        documents = pack(documents)                    # checks the items: one dtype, device and d
+    if _is_packed(documents):
         values, offsets = documents[0], documents[1]
         max_length = documents[2] if len(documents) == 3 else None
+        if documents_mask is not None and not isinstance(documents_mask, torch.Tensor):
+            # per-document masks: stored flat, so each one's length is checked against its document here
+            masks = _mask_list(documents_mask, offsets.shape[0] - 1, values.device)
+            lengths = (offsets[1:] - offsets[:-1]).tolist()
+            for i, (m, n) in enumerate(zip(masks, lengths)):
+                if m.shape[0] != n:
+                    raise ValueError(f"`documents_mask[{i}]` has shape [{m.shape[0]}]; expected [{n}]")
+            documents_mask = torch.cat(masks) if masks else values.new_zeros((0,), dtype=torch.bool)
         documents = values
     if not isinstance(documents, torch.Tensor) or not documents.is_floating_point():
         raise TypeError("`documents` must be a floating-point tensor, a list of them or PackedDocuments")

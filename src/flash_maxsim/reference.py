@@ -8,7 +8,10 @@ For a query ``q`` (tokens ``i``, mask ``qm``) and a document ``t`` (tokens ``j <
 - ``masked="exclude"``: ``agg`` runs over the tokens with ``dm[j]``; over no token at all it is 0.
 - ``masked="zero"``: ``agg`` runs over every token ``j < len(t)``, a masked one entering as ``s_ij = 0``
   (what multiplying the similarities by the mask computes, as PyLate and colpali-engine do).
-- ``agg`` is ``max`` (``smooth_tau=None``) or ``tau * log(sum_j exp(s_ij / tau))``.
+- ``agg`` is ``max`` (``smooth_tau=None``) or ``tau * log(sum_j exp(s_ij / tau))``, written
+  ``m + tau * log(sum_j exp((s_ij - m) / tau))`` with ``m = max_j s_ij`` (so a row holding +inf gives NaN).
+- An ``agg`` of ``-inf`` (every similarity it runs over is ``-inf``: only infinite inputs give that) is 0 too:
+  no fast path can tell it from an empty one, and 0 keeps the score finite.
 - Masks are bool or numbers (nonzero = valid token). NaN in an unmasked place gives NaN.
 
 This module is documentation first: it materialises the per-query similarity tensor on purpose.
@@ -90,9 +93,14 @@ def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked
         if smooth_tau is None:
             per_token = s.amax(-1)
         else:
-            per_token = smooth_tau * torch.logsumexp(s / smooth_tau, -1)
-        empty = ~agg_over.any(-1)                                     # [C]: nothing to aggregate over
-        per_token = torch.where(empty[:, None], torch.zeros_like(per_token), per_token)
+            # the row's max taken out first (0 for a row of -inf), as written in docs/semantics.md: a row
+            # holding +inf is NaN (inf - inf), in every path
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+            per_token = (m + smooth_tau * torch.log(torch.exp((s - m) / smooth_tau).sum(-1, keepdim=True)))[..., 0]
+        # nothing to aggregate over, or nothing but -inf (only infinite inputs give that): 0
+        empty = ~agg_over.any(-1)[:, None] | (per_token == float("-inf"))
+        per_token = torch.where(empty, torch.zeros_like(per_token), per_token)
         per_token = torch.where(qvalid[q][None, :], per_token, torch.zeros_like(per_token))
         rows.append(per_token.sum(-1))
     out = torch.stack(rows) if rows else torch.zeros(0, C, dtype=torch.float64, device=Q.device)

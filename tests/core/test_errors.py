@@ -53,6 +53,10 @@ BAD_INPUTS = [
     ("tau-nan", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=float("nan")), ValueError, "`smooth_tau`"),
     ("tau-string", lambda: flash_maxsim.maxsim(Q, D, smooth_tau="0.1"), TypeError, "`smooth_tau`"),
     ("tau-bool", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=True), TypeError, "`smooth_tau`"),
+    # the kernels scale by log2(e) / tau in fp32: it must stay finite and nonzero
+    ("tau-below-range", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=1e-39), ValueError, "[2**-100, 2**100]"),
+    ("tau-above-range", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=1e40), ValueError, "[2**-100, 2**100]"),
+    ("tau-huge-int", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=10 ** 400), ValueError, "`smooth_tau`"),
     ("masked-unknown", lambda: flash_maxsim.maxsim(Q, D, masked="ignore"), ValueError, "`masked`"),
     ("masked-none", lambda: flash_maxsim.maxsim(Q, D, masked=None), ValueError, "`masked`"),
     ("offsets-start", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([1, 3, 7]))), ValueError,
@@ -76,7 +80,46 @@ BAD_INPUTS = [
     ("offsets-device", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 7], device="meta"))),
      ValueError, "`documents.offsets`"),
     ("pack-empty", lambda: flash_maxsim.pack([]), ValueError, "`documents`"),
+    # pack (and quantize, which packs a list) checks its items as maxsim checks a list: no silent promotion
+    ("pack-mixed-dtype", lambda: flash_maxsim.pack([torch.randn(2, 4), torch.randn(3, 4).half()]), TypeError,
+     "`documents[1]`"),
+    ("pack-mixed-d", lambda: flash_maxsim.pack([torch.randn(2, 4), torch.randn(3, 5)]), ValueError, "`documents[1]`"),
+    ("pack-none", lambda: flash_maxsim.pack([None, torch.randn(3, 4)]), TypeError, "`documents[0]`"),
+    ("pack-rank", lambda: flash_maxsim.pack([torch.randn(4)]), ValueError, "`documents[0]`"),
+    ("quantize-mixed-d", lambda: flash_maxsim.quantize([torch.randn(2, 4), torch.randn(3, 5)]), ValueError,
+     "`documents[1]`"),
+    # per-document masks are checked against their documents' lengths in every layout that takes them
+    ("packed-mask-list-lengths", lambda: flash_maxsim.maxsim(
+        Q, flash_maxsim.pack([torch.randn(2, 4), torch.randn(3, 4)]), None, [torch.ones(1), torch.ones(4)]),
+     ValueError, "`documents_mask[0]`"),
+    ("quantize-mask-list-lengths", lambda: flash_maxsim.quantize(
+        [torch.randn(2, 4), torch.randn(3, 4)], [torch.ones(1), torch.ones(4)]), ValueError, "`documents_mask[0]`"),
+    ("list-mask-none-entry", lambda: flash_maxsim.maxsim(Q, [torch.randn(2, 4)] * 2, None, [None, torch.ones(2)]),
+     TypeError, "`documents_mask[0]`"),
+    ("list-mask-scalar", lambda: flash_maxsim.maxsim(Q, [torch.randn(2, 4)] * 2, None, 1), TypeError,
+     "`documents_mask`"),
+    ("packed-max-length-negative", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 7]), -1)),
+     ValueError, "`documents.max_length`"),
+    ("packed-max-length-str", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 7]), "7")),
+     TypeError, "`documents.max_length`"),
+    ("quantized-scales-shape", lambda: flash_maxsim.maxsim(Q, flash_maxsim.QuantizedDocuments(
+        flash_maxsim.quantize(D).values, flash_maxsim.quantize(D).scales.reshape(6, 5))), ValueError, "`scales`"),
+    ("sparse-queries", lambda: flash_maxsim.maxsim(Q.to_sparse(), D), TypeError, "`queries`"),
+    ("sparse-documents", lambda: flash_maxsim.maxsim(Q, D.to_sparse()), TypeError, "`documents`"),
+    ("sparse-mask", lambda: flash_maxsim.maxsim(Q, D, torch.ones(2, 3).to_sparse()), TypeError, "`queries_mask`"),
+    ("nested-documents", lambda: flash_maxsim.maxsim(Q, torch.nested.nested_tensor([torch.randn(2, 4)])), TypeError,
+     "`documents`"),
 ]
+
+
+def test_a_tuple_of_documents_is_a_list_of_documents():
+    """Only PackedDocuments or a (values, offsets[, max_length]) tuple with 1-D offsets is the packed layout; a
+    tuple of [Ld_i, d] documents scores as the same list, as in the reference and quantize."""
+    with force_backend("torch"):
+        got = flash_maxsim.maxsim(Q, (D[0], D[1, :4]))
+        torch.testing.assert_close(got, flash_maxsim.maxsim(Q, [D[0], D[1, :4]]), rtol=0, atol=0)
+    torch.testing.assert_close(got.double(), flash_maxsim.reference.maxsim(Q, (D[0], D[1, :4])), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("call, error, text", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS])
@@ -165,3 +208,64 @@ def test_nan_in_a_masked_place_gives_finite_gradients(backend, smooth_tau, where
     assert out.isfinite().all()
     assert q.grad.isfinite().all(), "NaN reached the queries' gradient"
     assert d.grad.isfinite().all(), "NaN reached the documents' gradient"
+
+
+def _backends():
+    return [pytest.param("torch", id="torch"),
+            pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+                TRITON_DEVICE == "cpu" and not launch.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.5])
+@pytest.mark.parametrize("masked", ["exclude", "zero"])
+@pytest.mark.parametrize("backend", _backends())
+def test_a_query_token_whose_similarities_are_all_minus_inf_adds_zero(backend, masked, smooth_tau):
+    """Only infinite inputs give it: an aggregate of -inf counts as empty (0) on every path and in the
+    reference (docs/semantics.md), while +inf stays +inf and the other query tokens add as usual."""
+    q = torch.randn(2, 3, 4).abs() + 0.5
+    q[0, 1] = float("inf")                                    # against all-negative tokens: every s = -inf
+    d = -(torch.rand(3, 5, 4) + 0.5)
+    d[2] = -d[2]                                              # document 2: every s of that token = +inf
+    with force_backend(backend):
+        out = flash_maxsim.maxsim(q.to(TRITON_DEVICE if backend == "triton" else "cpu"),
+                                  d.to(TRITON_DEVICE if backend == "triton" else "cpu"),
+                                  masked=masked, smooth_tau=smooth_tau).cpu()
+    expected = flash_maxsim.reference.maxsim(q, d, masked=masked, smooth_tau=smooth_tau)
+    # +inf: the hard max is +inf; the smooth max's m + tau * log(sum exp((s - m) / tau)) is NaN (inf - inf)
+    assert expected[0, 2] == float("inf") if smooth_tau is None else expected[0, 2].isnan()
+    torch.testing.assert_close(out[0, 2].double(), expected[0, 2], equal_nan=True)
+    finite = torch.ones_like(out, dtype=torch.bool)
+    finite[0, 2] = False
+    torch.testing.assert_close(out[finite].double(), expected[finite], rtol=1e-5, atol=1e-5)
+    if masked == "exclude":
+        # the -inf token adds 0: row 0's scores against documents 0, 1 are those of its other two tokens
+        others = flash_maxsim.reference.maxsim(q[:1, [0, 2]], d[:2], smooth_tau=smooth_tau)
+        torch.testing.assert_close(out[0, :2].double(), others[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_smallest_smooth_tau_is_the_hard_max_without_overflow(backend):
+    """tau = 2**-100: s / tau alone would overflow fp32 (2 / 2**-100 = 2**101 is fine, 2**30 / 2**-100 is not);
+    every path subtracts the row's max first, so the smooth max is the hard max."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    q = torch.tensor([[[2.0 ** 15, 0.0, 0.0, 0.0]]])
+    d = torch.tensor([[[2.0 ** 15, 0, 0, 0], [-2.0 ** 15, 0, 0, 0], [1.0, 0, 0, 0]]])
+    with force_backend(backend):
+        for sign in (1.0, -1.0):
+            out = flash_maxsim.maxsim((sign * q).to(device), d.to(device), smooth_tau=2.0 ** -100).cpu()
+            hard = flash_maxsim.reference.maxsim(sign * q, d)
+            assert torch.equal(out.double(), hard), (sign, out, hard)
+
+
+@pytest.mark.parametrize("loss", ["sum", "cross_entropy"])
+@pytest.mark.parametrize("smooth_tau", [None, 1.0])
+def test_second_derivative_raises_instead_of_a_wrong_number(smooth_tau, loss):
+    """The backward is first order only (docs/semantics.md, Gradients): differentiating the gradient raises,
+    whether the upstream gradient is a constant (sum) or itself depends on the scores (cross-entropy)."""
+    q = torch.randn(1, 2, 4, requires_grad=True)
+    d = torch.randn(3, 5, 4, requires_grad=True)
+    scores = flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau)
+    value = scores.sum() if loss == "sum" else torch.nn.functional.cross_entropy(scores, torch.tensor([1]))
+    grad_q, = torch.autograd.grad(value, q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad_q.sum().backward()

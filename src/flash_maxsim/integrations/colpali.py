@@ -109,6 +109,10 @@ def _inbatch_scores(self, query_embeddings: torch.Tensor, doc_embeddings: torch.
 
 def _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings):
     """Query ``b`` against its positive ``positives[b]`` -> ``[B]`` and its negatives -> ``[B, N]``."""
+    if not isinstance(neg_doc_embeddings, torch.Tensor) or neg_doc_embeddings.dim() != 4:
+        # the library's einsum refuses anything else; a 3-D tensor would otherwise read as all-pairs documents
+        raise ValueError(f"`neg_doc_embeddings` has shape {list(getattr(neg_doc_embeddings, 'shape', []))}; "
+                         "expected [batch_size, num_negs, neg_doc_length, dim]")
     tau = _smooth_tau(self)
     pos_scores = _late_interaction(query_embeddings, positives.unsqueeze(1), tau)[:, 0]
     neg_scores = _late_interaction(query_embeddings, neg_doc_embeddings, tau)

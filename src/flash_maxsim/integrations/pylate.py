@@ -321,8 +321,8 @@ def _make_rerank(original: Callable) -> Callable:
         if not isinstance(documents_embeddings, (list, tuple)) or \
                 not any(isinstance(x, flash_maxsim.QuantizedDocuments) for x in documents_embeddings):
             return original(documents_ids, queries_embeddings, documents_embeddings, device)
-        if isinstance(queries_embeddings, torch.Tensor) and queries_embeddings.dim() == 2:
-            queries_embeddings = queries_embeddings.unsqueeze(0)     # one query, as PyLate's reshape does
+        if getattr(queries_embeddings, "ndim", None) == 2:          # a tensor or numpy array of one query:
+            queries_embeddings = queries_embeddings[None]            # add its batch axis, as PyLate's reshape does
         results = []
         for i, (query, ids, candidates) in enumerate(zip(queries_embeddings, documents_ids, documents_embeddings)):
             if isinstance(candidates, flash_maxsim.QuantizedDocuments):

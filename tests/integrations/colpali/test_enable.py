@@ -166,3 +166,16 @@ def test_losses_built_before_enable_are_patched_too(calls, generator):
     batch = loss_batch(generator, negatives=1)
     loss(*[batch.padded(batch.leaves())[k] for k in batch.raw])
     assert calls.flash == 3
+
+
+@pytest.mark.parametrize("name", ["ColbertNegativeCELoss", "ColbertPairwiseNegativeCELoss"])
+def test_negatives_of_the_wrong_rank_are_refused_as_by_the_library(name):
+    """The library's einsum needs negatives [B, N, Ld, d]; a 3-D tensor must not read as all-pairs documents and
+    return a loss after enable()."""
+    g = torch.Generator().manual_seed(5)
+    q, d, neg = (torch.randn(4, n, 16, generator=g) for n in (6, 9, 7))
+    loss = getattr(losses, name)()
+    with pytest.raises(RuntimeError):
+        loss(q, d, neg)
+    with flash_colpali.enabled(), pytest.raises(ValueError, match="`neg_doc_embeddings` has shape"):
+        loss(q, d, neg)

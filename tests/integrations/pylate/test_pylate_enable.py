@@ -225,3 +225,25 @@ def test_rerank_takes_a_quantized_candidate_index(flash_calls):
     with pytest.raises(ValueError, match="holds 2 documents but `documents_ids` lists 3"), flash_pylate.enabled():
         pylate.rank.rerank(documents_ids=[["x", "y", "z"]], queries_embeddings=negative,
                            documents_embeddings=[flash_maxsim.quantize(short_and_long[0])])
+
+
+@pytest.mark.parametrize("as_array", [torch.as_tensor, lambda t: t.numpy()], ids=["tensor", "numpy"])
+def test_rerank_takes_one_query_as_a_2d_array_with_a_quantized_index(as_array):
+    """PyLate's rerank takes a single query as a 2-D tensor or numpy array (its reshape adds the batch axis); so
+    does the quantized path, which must not iterate over that query's token rows."""
+    import flash_maxsim
+    from flash_maxsim.quantization import queries_as_scored
+
+    g = torch.Generator().manual_seed(22)
+    query = torch.randn(5, 16, generator=g)
+    candidates = [torch.randn(n, 16, generator=g) for n in (3, 7)]
+    index = flash_maxsim.quantize(candidates)
+    values, offsets, _ = index.dequantize()
+    dequantized = [values[a:b].numpy() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    expected = pylate.rank.rerank(documents_ids=[["a", "b"]], queries_embeddings=queries_as_scored(query, index),
+                                  documents_embeddings=[dequantized])
+    with flash_pylate.enabled():
+        got = pylate.rank.rerank(documents_ids=[["a", "b"]], queries_embeddings=as_array(query),
+                                 documents_embeddings=[index])
+    assert len(got) == 1 and [r["id"] for r in got[0]] == [r["id"] for r in expected[0]]
+    assert [r["score"] for r in got[0]] == pytest.approx([r["score"] for r in expected[0]], abs=2e-5)

@@ -206,8 +206,8 @@ def test_single_embeddings_and_broadcast_masks(gen, flash_calls):
 
 def test_dtypes(gen, flash_calls):
     queries, documents = _random(3, 5, 8, generator=gen), [_random(n, 8, generator=gen) for n in (4, 6)]
-    # float64 is scored in float32 (sentence-transformers documents float32 scores, but returns float64 here:
-    # its float64 padding mask promotes them)
+    # float64 is scored in float32 (sentence-transformers documents float32 scores; 6.0-6.2 return float64 here,
+    # their float64 padding mask promotes them, 6.3 returns float32)
     q64, d64 = queries.double(), [d.double() for d in documents]
     got = fst.maxsim(q64, d64)
     assert got.dtype == torch.float32
