@@ -131,6 +131,24 @@ def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) ->
     return diff / scale if scale else diff
 
 
+def tolerances(loss, batch: Batch, want_value: torch.Tensor, flash_outputs, smooth: bool):
+    """``(absolute loss tolerance, relative gradient tolerance)`` for a patched loss against the library's.
+
+    Hard max on grid data: every similarity and score is exact in fp32, so only the backward sums round (LOSS_RTOL,
+    GRAD_RTOL). Smooth max: the library's logsumexp and flash_maxsim's online one round differently, so the loss and
+    its softmax/sigmoid weights move by what a few ulps of the temperature-scaled logits imply, not by a fixed
+    fraction of the loss (a well-separated draw has a loss near 1e-7 and logits in the hundreds).
+    ``flash_outputs`` are the scores flash_maxsim returned (``Calls.flash_outputs``)."""
+    loss_tolerance, grad_rtol = LOSS_RTOL * abs(want_value.item()), GRAD_RTOL
+    if smooth:
+        longest_document = max(mask.shape[-1] for name, mask in batch.masks.items() if name != "q")
+        dz = logit_rounding(torch.cat([s.flatten(1) for s in flash_outputs], 1), batch.masks["q"].sum(1), loss,
+                            document_length=longest_document)
+        loss_tolerance = max(loss_tolerance, loss_rounding_bound(want_value, dz))
+        grad_rtol = GRAD_RTOL + 2 * dz          # every softmax/sigmoid weight moves by at most 2 max|dz| relative
+    return loss_tolerance, grad_rtol
+
+
 # Below fp32's normal range (2^-126) every operation rounds to an ABSOLUTE 2^-150, so a gradient whose largest entry
 # lies there keeps no relative precision: at temperature 0.02 a negative far below its positive gets softplus
 # gradient sigmoid(-100) ~ 4e-44, and the library's own fp32 gradient is then ~2% off its float64 one. From such a
