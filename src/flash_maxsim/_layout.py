@@ -168,23 +168,27 @@ def _as_max_length(max_length) -> Optional[int]:
     return value
 
 
-def _mask_list(documents_mask, count: int, device) -> list:
-    """Per-document masks given as a sequence: one tensor (or list of 0/1) per document, as tensors on ``device``."""
+def _flat_document_mask(documents_mask, lengths: list, device) -> torch.Tensor:
+    """Per-document masks given as a sequence (one tensor or list of 0/1 per document), each checked against its
+    document's length ``lengths[i]``, concatenated into the packed layout's ``[sum Ld_i]`` mask on ``device``."""
     if not isinstance(documents_mask, (list, tuple)):
         raise TypeError(f"`documents_mask` must be a tensor or a list of per-document [Ld_i] masks, got "
                         f"{type(documents_mask).__name__}")
-    if len(documents_mask) != count:
+    if len(documents_mask) != len(lengths):
         raise ValueError(f"`documents_mask` has {len(documents_mask)} entries; expected one [Ld_i] mask per "
-                         f"document ({count})")
+                         f"document ({len(lengths)})")
     masks = []
-    for i, m in enumerate(documents_mask):
+    for i, (m, n) in enumerate(zip(documents_mask, lengths)):
         if m is None or isinstance(m, (str, bytes)):
             raise TypeError(f"`documents_mask[{i}]` must be a tensor or a list of 0/1, got {type(m).__name__}")
         m = torch.as_tensor(m, device=device)
         if m.dim() != 1:
             raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(m)}]; expected [Ld_{i}]")
+        if m.shape[0] != n:
+            raise ValueError(f"`documents_mask[{i}]` has shape [{m.shape[0]}]; expected [{n}], the length of "
+                             f"document {i}")
         masks.append(m)
-    return masks
+    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool, device=device)
 
 
 def _is_quantized(documents) -> bool:
@@ -275,14 +279,9 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         if documents_mask is None or isinstance(documents_mask, torch.Tensor):
             dmask = _as_mask("documents_mask", documents_mask, (values.shape[0],), device)
         else:
-            masks = _mask_list(documents_mask, offsets.shape[0] - 1, device)
-            mask_offsets = torch.tensor([0] + [m.shape[0] for m in masks]).cumsum(0)
-            if not torch.equal(mask_offsets, offsets.cpu()):     # one host read, on this layout only
-                i = int((mask_offsets[1:] - mask_offsets[:-1] != (offsets[1:] - offsets[:-1]).cpu())
-                        .nonzero()[0, 0])
-                raise ValueError(f"`documents_mask[{i}]` has shape [{masks[i].shape[0]}]; expected "
-                                 f"[{int(offsets[i + 1] - offsets[i])}], the length of document {i}")
-            dmask = _as_mask("documents_mask", torch.cat(masks), (values.shape[0],), device)
+            lengths = (offsets[1:] - offsets[:-1]).tolist()          # one host read, on this layout only
+            dmask = _as_mask("documents_mask", _flat_document_mask(documents_mask, lengths, device),
+                             (values.shape[0],), device)
     elif isinstance(documents, torch.Tensor):
         if documents.dim() == 3:
             check_docs("documents", documents)
@@ -317,12 +316,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
                 if isinstance(documents_mask, torch.Tensor) and documents_mask.dim() == 1:
                     flat = documents_mask
                 else:
-                    masks = _mask_list(documents_mask, len(documents), device)
-                    for i, (m, x) in enumerate(zip(masks, documents)):
-                        if tuple(m.shape) != (x.shape[0],):
-                            raise ValueError(f"`documents_mask[{i}]` has shape [{_shape(m)}]; expected "
-                                             f"[{x.shape[0]}]")
-                    flat = torch.cat(masks)
+                    flat = _flat_document_mask(documents_mask, [x.shape[0] for x in documents], device)
                 dmask = _as_mask("documents_mask", flat, (docs.shape[0],), device)
     else:
         raise TypeError(f"`documents` must be a tensor, a list of tensors or PackedDocuments, "

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ._layout import PackedDocuments, _is_packed, _mask_list, pack
+from ._layout import PackedDocuments, _flat_document_mask, _is_packed, pack
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 # the index's scales (module docstring): 2 bytes where that reads faster (measured on the device), 4 elsewhere
@@ -136,12 +136,8 @@ def quantize(documents, documents_mask=None, *, dtype: str = "int8") -> Quantize
         max_length = documents[2] if len(documents) == 3 else None
         if documents_mask is not None and not isinstance(documents_mask, torch.Tensor):
             # per-document masks: stored flat, so each one's length is checked against its document here
-            masks = _mask_list(documents_mask, offsets.shape[0] - 1, values.device)
-            lengths = (offsets[1:] - offsets[:-1]).tolist()
-            for i, (m, n) in enumerate(zip(masks, lengths)):
-                if m.shape[0] != n:
-                    raise ValueError(f"`documents_mask[{i}]` has shape [{m.shape[0]}]; expected [{n}]")
-            documents_mask = torch.cat(masks) if masks else values.new_zeros((0,), dtype=torch.bool)
+            documents_mask = _flat_document_mask(documents_mask, (offsets[1:] - offsets[:-1]).tolist(),
+                                                 values.device)
         documents = values
     if not isinstance(documents, torch.Tensor) or not documents.is_floating_point():
         raise TypeError("`documents` must be a floating-point tensor, a list of them or PackedDocuments")
