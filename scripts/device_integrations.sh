@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The integrations' round on the GPU machine (device tool): GPU parity tests and the recipes' device tables for
 # sentence-transformers, colpali-engine and PyLate. Needs `.whl` carried (bash ../shared/device/wheels.sh).
-# Logs and JSON go to $OUT (6 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all|st63]...
+# Logs and JSON go to $OUT (7 files). Usage: bash scripts/device_integrations.sh [st|colpali|pylate|all|st63]...
 # `st63` (not in `all`): the sentence-transformers suite again on 6.3 (kernel_config, use_kernels), from the wheels
 # scripts/st63_wheels.sh put in .whl-st63 (carry it: `carry: [".whl-st63"]`).
 # Tests run on WORKERS pytest-xdist processes (default 8; colpali-engine's on COLPALI_WORKERS, default 3 on an
@@ -30,8 +30,11 @@ if want colpali; then
 fi
 if want pylate; then
   ( pytest_q tests/integrations/pylate/test_pylate_gpu.py tests/integrations/pylate/test_pylate_scores.py \
-      tests/integrations/pylate/test_pylate_enable.py; echo "pylate tests rc=$?"
+      tests/integrations/pylate/test_pylate_enable.py tests/integrations/pylate/test_pylate_flash_backend.py
+    echo "pylate tests rc=$?"
     timeout "${TABLE_S:-150}" python3 benchmarks/pylate_step.py "$out/pylate_step.json"; echo "pylate table rc=$?"
+    timeout 120 python3 benchmarks/pylate_auto_fallback.py "$out/pylate_auto_fallback.json"
+    echo "pylate fallback rc=$?"
   ) > "$out/pylate.log" 2>&1
   grep -E "rc=|passed|failed|error" "$out/pylate.log" | tail -n 6
 fi

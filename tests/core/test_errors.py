@@ -269,3 +269,17 @@ def test_second_derivative_raises_instead_of_a_wrong_number(smooth_tau, loss):
     grad_q, = torch.autograd.grad(value, q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         grad_q.sum().backward()
+
+
+def test_the_other_flash_maxsim_projects_names_say_which_package_this_is():
+    """The PyPI project `flash-maxsim` shares the import name; asking this package for one of its functions
+    says so (and hasattr stays False), while an unknown name is a plain AttributeError."""
+    with pytest.raises(AttributeError, match="flash-maxsim-kernels.*flash_maxsim.maxsim"):
+        flash_maxsim.flash_maxsim_batched
+    with pytest.raises(ImportError, match="flash_maxsim_batched_train"):
+        from flash_maxsim import flash_maxsim_batched_train  # noqa: F401
+    assert not hasattr(flash_maxsim, "pack_pairs")
+    with pytest.raises(AttributeError) as error:
+        flash_maxsim.no_such_name
+    assert "flash-maxsim-kernels" not in str(error.value)
+    assert not hasattr(flash_maxsim, "sys"), "module-private imports stay private"

@@ -2,7 +2,8 @@
 
 - No model hub: HF_HUB_OFFLINE=1 before anything imports huggingface_hub.
 - PyLate's own torch path is the baseline everywhere: PYLATE_SCORES_BACKEND=torch (PyLate >= 1.5 would
-  otherwise pick its "flash" backend on CUDA, which imports the name ``flash_maxsim`` expecting another package).
+  otherwise pick its "flash" backend on CUDA, which imports the name ``flash_maxsim`` expecting another package
+  and, finding this one, falls back with a warning: test_pylate_flash_backend.py).
 - tests/conftest.py sets TRITON_INTERPRET=1 without CUDA, which would run every CPU call through the Triton
   interpreter (~1 s per call): the tests here run flash_maxsim's exact CPU path unless they ask for the kernels.
 - One CPU thread: on a busy 2-core machine OpenMP's spin-waiting made the MiniLM steps 10x slower with two.
