@@ -382,3 +382,29 @@ def test_document_tensor_beyond_2_31_elements(seed):
         # does) and dD itself: up to 2 units of roundoff (2^-7) of its terms (test_backward_variants.py)
         torch.testing.assert_close(dd[check_docs].double(), expected_dd, rtol=2 ** -7, atol=2e-3)
         del dd, scores
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
+@pytest.mark.parametrize("layout", ["padded", "candidates", "quantized"])
+def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
+    """A forward call on the padded, per-query-candidate and quantised layouts, masks of any dtype included,
+    enqueues its work without synchronising with the device (torch's sync debug mode raises on any op that
+    would), so a retrieval loop's host runs ahead of the GPU. Ragged lists read their lengths once, by design."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    Nq, Lq, B, Ld, d = 3, 32, 40, 77, 128
+    q = torch.randn(Nq, Lq, d, generator=g, device=DEVICE, dtype=BF16)
+    shape = (Nq, B // Nq, Ld, d) if layout == "candidates" else (B, Ld, d)
+    docs = torch.randn(*shape, generator=g, device=DEVICE, dtype=BF16)
+    q_mask = (torch.rand(Nq, Lq, generator=g, device=DEVICE) < 0.9).to(mask_dtype)
+    d_mask = (torch.rand(shape[:-1], generator=g, device=DEVICE) < 0.8).to(mask_dtype)
+    if layout == "quantized":
+        docs = flash_maxsim.quantize(docs, dtype="int8")
+    call = lambda: flash_maxsim.maxsim(q, docs, q_mask, d_mask, masked="zero")  # noqa: E731
+    want = call()                                 # compiles and caches the launch first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)

@@ -97,11 +97,15 @@ def _check_dim(name: str, x: torch.Tensor, dims: int, layout: str) -> None:
 
 def _as_mask(name: str, mask) -> Optional[torch.Tensor]:
     """A PyLate mask (0/1 numbers or bool) as a tensor. PyLate multiplies by the mask, so a value other than 0
-    or 1 would weight the similarities: flash_maxsim has no such weighting, and says so."""
+    or 1 would weight the similarities: flash_maxsim has no such weighting. A CPU mask holding such a value is
+    refused; a mask on a GPU is not read here, because reading it would wait for the device on every call
+    (0.15-0.25 ms per call on an H100, benchmarks/pylate_inference_probe.py): there, as in flash_maxsim.maxsim,
+    every nonzero entry marks a valid token. PyLate's own masks are bool."""
     if mask is None:
         return None
     mask = _as_tensor(name, mask)
-    if mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+    if mask.dtype != torch.bool and mask.device.type == "cpu" and mask.numel() \
+            and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"`{name}` holds values other than 0 and 1; PyLate's masks are 0/1 (a weighted mask "
                          "is not supported)")
     return mask

@@ -133,3 +133,28 @@ def test_enable_with_pylate_default_backend_on_cuda(cuda_model, monkeypatch, fla
     with flash_pylate.enabled():
         value, grads = lib.run_step(cuda_model, losses.Contrastive(model=cuda_model), features)
     assert flash_calls.calls > 0 and torch.isfinite(value) and len(grads) > 10
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
+def test_scorers_never_wait_for_the_device(mask_dtype):
+    """colbert_scores / FlashColBERTScores with masks of any dtype enqueue their work without synchronising with
+    the device (a 0/1 check of a GPU mask would: 0.15-0.25 ms per call, benchmarks/pylate_inference_probe.py),
+    and give PyLate's numbers."""
+    g = torch.Generator().manual_seed(91)
+    Q = lib.embeddings((4, 32, 128), g, side=+1, device="cuda", dtype=torch.bfloat16)
+    D = lib.embeddings((12, 90, 128), g, side=-1, device="cuda", dtype=torch.bfloat16)
+    qmask = lib.skiplist_mask((4, 32), g, hole_rate=0.1, device="cuda").to(mask_dtype)
+    dmask = lib.skiplist_mask((12, 90), g, device="cuda").to(mask_dtype)
+    calls = (lambda: flash_pylate.colbert_scores(Q, D, qmask, dmask),
+             lambda: flash_pylate.FlashColBERTScores()(Q, D.reshape(3, 4, 90, 128), qmask, dmask.reshape(3, 4, 90)))
+    for call in calls:
+        want = call()                             # compiles first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want)
+    expected = lib.pylate_colbert_scores(Q.float(), D.float(), qmask, dmask)
+    torch.testing.assert_close(flash_pylate.colbert_scores(Q, D, qmask, dmask), expected, atol=ATOL, rtol=0)
