@@ -3,9 +3,11 @@
 PyLate >= 1.5.1 then takes this package for the PyPI project ``flash-maxsim`` (the same import name) and tries
 it as its "flash" backend: it turns the masks into lengths, imports a function this package does not have, gets
 PyLate's own ``FlashUnsupported`` back (flash_maxsim.integrations.pylate._other_project_fallback) and scores
-with its next backend (late-interaction-kernels when installed, else its torch path). This script measures what
-that detour costs per call and checks the scores are that next backend's, bit for bit. For comparison, the same
-calls with ``flash_maxsim.integrations.pylate.enable()``.
+with its next backend (late-interaction-kernels when installed, else its torch path); since session 39 that first
+call also sets PyLate's record of the flash backend's availability to False, so later calls skip it. This script
+measures what ``auto`` costs per call beyond that next backend (the warm-up absorbs the first call) and checks the
+scores are that next backend's, bit for bit. For comparison, the same calls with
+``flash_maxsim.integrations.pylate.enable()``.
 
     python benchmarks/pylate_auto_fallback.py [OUT.json]
 

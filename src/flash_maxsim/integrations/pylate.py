@@ -465,7 +465,8 @@ _OTHER_PROJECT_MESSAGE = (
     "here is flash-maxsim-kernels (the same import name), which does not have `{name}`. With backend='auto' "
     "PyLate falls back to its next backend (late-interaction-kernels if installed, else its torch path). To "
     "score with flash_maxsim, call flash_maxsim.integrations.pylate.enable() or pass its scorer objects; to "
-    "choose PyLate's torch path outright, set PYLATE_SCORES_BACKEND=torch.")
+    "choose PyLate's torch path outright, set PYLATE_SCORES_BACKEND=torch. PyLate's flash backend now counts as "
+    "not installed for this process.")
 _fallback_classes: dict = {}
 _fallback_warned = False
 
@@ -473,13 +474,18 @@ _fallback_warned = False
 def _other_project_fallback(name: str) -> ImportError:
     """The error for PyLate's ``from flash_maxsim import <the other project's function>`` (PyLate >= 1.5.1, not
     enabled): an ImportError that is also PyLate's ``FlashUnsupported``, the one exception its ``backend="auto"``
-    falls back on (``backend="flash"`` re-raises it). Warns once per process."""
+    falls back on (``backend="flash"`` re-raises it). Warns once per process, and sets PyLate's record of the
+    flash backend's availability to False, so that PyLate skips that backend from then on."""
     global _fallback_warned
     message = _OTHER_PROJECT_MESSAGE.format(name=name)
     if not _fallback_warned:
         _fallback_warned = True
         warnings.warn(message, UserWarning, stacklevel=4)
     flash_backend = sys.modules.get("pylate.scores._flash_backend")
+    if getattr(flash_backend, "_IMPORT_OK", None) is True:
+        # PyLate's own cache of "flash-maxsim is importable", which it got wrong: corrected, later calls skip its
+        # flash backend instead of converting masks to lengths on every call before falling back here
+        flash_backend._IMPORT_OK = False
     unsupported = getattr(flash_backend, "FlashUnsupported", None)
     if not (isinstance(unsupported, type) and issubclass(unsupported, Exception)):
         return ImportError(message, name=name)

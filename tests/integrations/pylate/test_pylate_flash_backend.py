@@ -30,10 +30,23 @@ def device(request, monkeypatch):
     # the backend after "flash" is PyLate's choice (late-interaction-kernels where installed): pin its torch path,
     # whose numbers the tests compare with
     monkeypatch.setattr(pylate_colbert, "_try_lik", lambda backend, *tensors: False)
+    monkeypatch.setattr(flash_backend, "_IMPORT_OK", flash_backend._IMPORT_OK)  # restored after the test
     if request.param == "cpu":
-        # what PyLate decides for CUDA tensors: take the flash backend under "auto" and "flash"
+        # PyLate's decision for CUDA tensors (its _try_flash without the device test): "import flash_maxsim"
+        # works and CUDA is there, unless that record was corrected since
+        monkeypatch.setattr(flash_backend, "_IMPORT_OK", True)
         monkeypatch.setattr(flash_backend, "_inputs_supported", lambda queries, documents: True)
-        monkeypatch.setattr(pylate_colbert, "_try_flash", lambda backend, *tensors: backend in ("auto", "flash"))
+
+        def try_flash_as_on_cuda(backend, *tensors):
+            if backend not in ("auto", "flash"):
+                return False
+            if not flash_backend.is_available():
+                if backend == "flash":
+                    raise RuntimeError("backend='flash' requested but `flash-maxsim` is not installed")
+                return False
+            return True
+
+        monkeypatch.setattr(pylate_colbert, "_try_flash", try_flash_as_on_cuda)
     else:
         assert pylate_colbert._try_flash("auto", torch.ones(1, device="cuda")), "PyLate skipped its flash backend"
     return request.param
@@ -63,6 +76,8 @@ def test_auto_falls_back_to_pylates_own_scores_with_one_warning(device):
     assert len([w for w in record if "flash-maxsim-kernels" in str(w.message)]) == 1
     for g, a, w in zip(got, again, want):
         assert torch.equal(g, w) and torch.equal(a, w)
+    # PyLate's record of its flash backend is corrected: later calls no longer try it
+    assert flash_backend._IMPORT_OK is False
 
 
 def test_auto_falls_back_for_training_too(device):
@@ -84,6 +99,8 @@ def test_backend_flash_raises_an_import_error_that_names_both_packages(device):
         with pytest.raises(ImportError, match="flash-maxsim-kernels.*enable()") as error:
             pylate_colbert.colbert_scores(Q, D, Q_mask, D_mask, backend="flash")
     assert error.value.name == "flash_maxsim_batched"
+    with pytest.raises(RuntimeError, match="not installed"):  # PyLate's own message, once its record is right
+        pylate_colbert.colbert_scores(Q, D, Q_mask, D_mask, backend="flash")
 
 
 def test_enabled_scores_with_flash_maxsim_and_does_not_warn(device, flash_calls):
