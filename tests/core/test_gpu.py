@@ -408,3 +408,37 @@ def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.1], ids=["hard", "smooth"])
+@pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
+def test_training_step_never_waits_for_the_device(layout, smooth_tau, seed):
+    """Scores and both gradients, masks included, without a device synchronisation: a training step's host
+    enqueues the backward while the GPU still runs the forward. The packed layout's lengths are read once, when
+    it is built (flash_maxsim.pack), not per call."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    Nq, Lq, B, Ld, d = 4, 32, 8, 60, 128
+    q = torch.randn(Nq, Lq, d, generator=g, device=DEVICE, dtype=BF16).requires_grad_()
+    shape = (Nq, B // Nq, Ld, d) if layout == "candidates" else (B, Ld, d)
+    docs = torch.randn(*shape, generator=g, device=DEVICE, dtype=BF16).requires_grad_()
+    q_mask = torch.rand(Nq, Lq, generator=g, device=DEVICE) < 0.9
+    d_mask = torch.rand(shape[:-1], generator=g, device=DEVICE) < 0.8
+    if layout == "packed":
+        packed = flash_maxsim.pack(list(docs.unbind(0)))
+        d_mask = None
+
+    def step():
+        documents = flash_maxsim.PackedDocuments(docs.view(-1, d), packed.offsets, packed.max_length) \
+            if layout == "packed" else docs
+        scores = flash_maxsim.maxsim(q, documents, q_mask, d_mask, smooth_tau=smooth_tau)
+        return (scores, *torch.autograd.grad(scores.square().sum(), (q, docs)))
+
+    want = step()                                 # compiles and caches the launches first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
