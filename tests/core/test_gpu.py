@@ -384,6 +384,19 @@ def test_document_tensor_beyond_2_31_elements(seed):
         del dd, scores
 
 
+def _twice_second_without_sync(fn):
+    """``fn()`` once (it compiles and caches its launches), then again under torch's sync debug mode "error",
+    which raises on any op that would synchronise with the device: both results."""
+    first = fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return first, second
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
 @pytest.mark.parametrize("layout", ["padded", "candidates", "quantized"])
 def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
@@ -399,14 +412,7 @@ def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
     d_mask = (torch.rand(shape[:-1], generator=g, device=DEVICE) < 0.8).to(mask_dtype)
     if layout == "quantized":
         docs = flash_maxsim.quantize(docs, dtype="int8")
-    call = lambda: flash_maxsim.maxsim(q, docs, q_mask, d_mask, masked="zero")  # noqa: E731
-    want = call()                                 # compiles and caches the launch first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    want, got = _twice_second_without_sync(lambda: flash_maxsim.maxsim(q, docs, q_mask, d_mask, masked="zero"))
     assert torch.equal(got, want)
 
 
@@ -433,12 +439,6 @@ def test_training_step_never_waits_for_the_device(layout, smooth_tau, seed):
         scores = flash_maxsim.maxsim(q, documents, q_mask, d_mask, smooth_tau=smooth_tau)
         return (scores, *torch.autograd.grad(scores.square().sum(), (q, docs)))
 
-    want = step()                                 # compiles and caches the launches first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    want, got = _twice_second_without_sync(step)
     for x, y in zip(got, want):
         assert torch.equal(x, y)
