@@ -384,22 +384,9 @@ def test_document_tensor_beyond_2_31_elements(seed):
         del dd, scores
 
 
-def _twice_second_without_sync(fn):
-    """``fn()`` once (it compiles and caches its launches), then again under torch's sync debug mode "error",
-    which raises on any op that would synchronise with the device: both results."""
-    first = fn()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        second = fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return first, second
-
-
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
 @pytest.mark.parametrize("layout", ["padded", "candidates", "quantized"])
-def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
+def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed, twice_second_without_sync):
     """A forward call on the padded, per-query-candidate and quantised layouts, masks of any dtype included,
     enqueues its work without synchronising with the device (torch's sync debug mode raises on any op that
     would), so a retrieval loop's host runs ahead of the GPU. Ragged lists read their lengths once, by design."""
@@ -412,13 +399,13 @@ def test_scoring_never_waits_for_the_device(layout, mask_dtype, seed):
     d_mask = (torch.rand(shape[:-1], generator=g, device=DEVICE) < 0.8).to(mask_dtype)
     if layout == "quantized":
         docs = flash_maxsim.quantize(docs, dtype="int8")
-    want, got = _twice_second_without_sync(lambda: flash_maxsim.maxsim(q, docs, q_mask, d_mask, masked="zero"))
+    want, got = twice_second_without_sync(lambda: flash_maxsim.maxsim(q, docs, q_mask, d_mask, masked="zero"))
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("smooth_tau", [None, 0.1], ids=["hard", "smooth"])
 @pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
-def test_training_step_never_waits_for_the_device(layout, smooth_tau, seed):
+def test_training_step_never_waits_for_the_device(layout, smooth_tau, seed, twice_second_without_sync):
     """Scores and both gradients, masks included, without a device synchronisation: a training step's host
     enqueues the backward while the GPU still runs the forward. The packed layout's lengths are read once, when
     it is built (flash_maxsim.pack), not per call."""
@@ -439,6 +426,6 @@ def test_training_step_never_waits_for_the_device(layout, smooth_tau, seed):
         scores = flash_maxsim.maxsim(q, documents, q_mask, d_mask, smooth_tau=smooth_tau)
         return (scores, *torch.autograd.grad(scores.square().sum(), (q, docs)))
 
-    want, got = _twice_second_without_sync(step)
+    want, got = twice_second_without_sync(step)
     for x, y in zip(got, want):
         assert torch.equal(x, y)

@@ -136,7 +136,7 @@ def test_enable_with_pylate_default_backend_on_cuda(cuda_model, monkeypatch, fla
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
-def test_scorers_never_wait_for_the_device(mask_dtype):
+def test_scorers_never_wait_for_the_device(mask_dtype, twice_second_without_sync):
     """colbert_scores / FlashColBERTScores with masks of any dtype enqueue their work without synchronising with
     the device (a 0/1 check of a GPU mask would: 0.15-0.25 ms per call, benchmarks/pylate_inference_probe.py),
     and give PyLate's numbers."""
@@ -148,13 +148,7 @@ def test_scorers_never_wait_for_the_device(mask_dtype):
     calls = (lambda: flash_pylate.colbert_scores(Q, D, qmask, dmask),
              lambda: flash_pylate.FlashColBERTScores()(Q, D.reshape(3, 4, 90, 128), qmask, dmask.reshape(3, 4, 90)))
     for call in calls:
-        want = call()                             # compiles first
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = call()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        want, got = twice_second_without_sync(call)
         assert torch.equal(got, want)
     expected = lib.pylate_colbert_scores(Q.float(), D.float(), qmask, dmask)
     torch.testing.assert_close(flash_pylate.colbert_scores(Q, D, qmask, dmask), expected, atol=ATOL, rtol=0)
