@@ -36,8 +36,6 @@ from typing import Callable, Optional
 
 import torch
 
-# what Triton before 3.10 does by default (the device has 3.6); 3.9 warns when it is unset
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -377,7 +375,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
     kernel, grid, tensors, scalars, meta = call
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(meta)
+    kwargs = {**meta, **_launcher.COMPILE_OPTIONS}      # what every launch gives Triton
     bound, specialization, options = binder(*tensors, *_launcher._tritons_scalars(tensors, scalars), **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,

@@ -137,6 +137,63 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
     assert _launcher._enabled
 
 
+def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
+    """On a Triton whose C launcher layout the launcher knows (3.6; 3.7-3.9), every kernel of scoring calls (bf16
+    with and without TMA copies, an int8 index) and of a training step launches directly from its second call on:
+    a silent fall back to the compiled runner costs 5-25 us per launch (docs/perf-notes.md, sessions 14 and 40)."""
+    from flash_maxsim.kernels import _launcher
+    parts = _launcher._triton_launch_parts()
+    if parts is None or parts[0] is None:
+        pytest.skip("this Triton's C launcher layout is not one the launcher knows: its runner is used")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(2, 32, 128, generator=g, device=DEVICE, dtype=BF16)
+    q96 = torch.randn(1, 31, 96, generator=g, device=DEVICE, dtype=BF16)
+    docs = torch.randn(64, 300, 128, generator=g, device=DEVICE, dtype=BF16)
+    docs96 = torch.randn(2000, 257, 96, generator=g, device=DEVICE, dtype=BF16)
+    index = flash_maxsim.quantize(docs)
+
+    def step():
+        qq, dd = q.detach().requires_grad_(True), docs[:8].detach().requires_grad_(True)
+        flash_maxsim.maxsim(qq, dd).logsumexp(-1).sum().backward()
+    calls = [lambda: flash_maxsim.maxsim(q, docs), lambda: flash_maxsim.maxsim(q96, docs96),
+             lambda: flash_maxsim.maxsim(q, index), step]
+    _launcher._RUNNERS.clear()
+    for call in calls:
+        call()
+        call()
+    torch.cuda.synchronize()
+    assert _launcher._enabled and _launcher._RUNNERS
+    runners = {key[0].fn.__name__ if hasattr(key[0], "fn") else str(key[0]): type(entry).__name__
+               for key, entry in _launcher._RUNNERS.items()}
+    assert set(runners.values()) == {"_CLauncherCall"}, runners
+
+
+def test_no_triton_warning_about_its_fp_fusion_default():
+    """Triton 3.9 warns once per process when a compiled kernel leaves fp fusion to its default (which 3.10 turns
+    off); the launcher asks for it by name. A fresh process, so that the kernels are compiled there."""
+    import subprocess
+    import sys
+    import triton
+    from pathlib import Path
+    script = (
+        "import warnings, torch, flash_maxsim\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    q = torch.randn(2, 32, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "    d = torch.randn(16, 300, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "    flash_maxsim.maxsim(q, d).sum().backward()\n"
+        "    flash_maxsim.maxsim(q.detach(), flash_maxsim.quantize(d.detach()))\n"
+        "    torch.cuda.synchronize()\n"
+        "print('WARNINGS', [str(w.message) for w in seen if 'FP_FUSION' in str(w.message)])\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    src = str(Path(flash_maxsim.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNINGS []" in proc.stdout, f"Triton {triton.__version__}: {proc.stdout[-2000:]}"
+
+
 
 @pytest.mark.parametrize("Nq, B, Ld, ties", [(64, 512, 300, False), (64, 512, 300, True), (16, 64, 1030, True)],
                          ids=["B64+7neg-random", "B64+7neg-ties", "ColPali-ties"])

@@ -67,6 +67,17 @@ def test_second_launch_reuses_the_compiled_kernel_with_constexprs_appended(fresh
     assert kernel.direct == [((7, 1, 1), (x, y, 5, 64, True))]
 
 
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_triton_compiles_with_fp_fusion_requested_explicitly(fresh_launcher, on_cuda):
+    """Every binding through Triton asks for fp fusion by name (its default up to 3.9, which 3.9 warns about and
+    3.10 turns off), next to the launch's own meta, on the cached path and on Triton's own."""
+    kernel = FakeJIT()
+    x = FakeTensor(1024)
+    x.is_cuda = on_cuda
+    _launcher.launch(kernel, (3,), (x,), (5,), dict(BLOCK=64, FLAG=False, num_warps=4))
+    assert kernel.bound[0][2] == dict(BLOCK=64, FLAG=False, num_warps=4, enable_fp_fusion=True)
+
+
 def test_constexprs_the_launch_leaves_out_take_their_defaults(fresh_launcher):
     """A constexpr parameter with a default that the launch's meta omits is bound to that default, as Triton's own
     binding does, so the launch still goes direct (a missing one without default keeps Triton's path)."""
@@ -138,7 +149,20 @@ def test_cpu_tensors_always_take_tritons_path(fresh_launcher):
 
 
 
-# --- Triton's C launcher called directly (Triton 3.6's layout) -------------------------------------------------
+# --- Triton's C launcher called directly (the layouts of Triton 3.6 and of 3.7-3.9) ------------------------------
+
+@pytest.mark.parametrize("version, base_args_format, layout", [
+    ("3.6.0", "iiiKKppOOOOOO", _launcher.LAYOUT_ARGUMENTS),
+    ("3.6.1", "iiiKKppOOOOOOO", None),                      # a 3.6 laid out otherwise
+    ("3.7.0", None, _launcher.LAYOUT_SEQUENCE),
+    ("3.8.0", None, _launcher.LAYOUT_SEQUENCE),
+    ("3.9.1", None, _launcher.LAYOUT_SEQUENCE),
+    ("3.10.0", None, None),                                 # not read: Triton's own runner
+    ("3.5.0", None, None),
+])
+def test_c_launcher_layout_by_triton_version(version, base_args_format, layout):
+    assert _launcher._launcher_layout(version, base_args_format) == layout
+
 
 class CLauncher:
     """Triton's C launcher: no ``__code__`` (a built-in), records its arguments."""
@@ -159,7 +183,7 @@ class CompiledWithLauncher(Compiled):
     """A compiled kernel whose ``run`` is laid out as Triton 3.6's CudaLauncher; ``wrapped``: its ``launch`` is
     the tensor-descriptor wrapper, a closure over the C function."""
 
-    def __init__(self, jit, c_launch, wrapped=False, scratch=0, desc_meta=None):
+    def __init__(self, jit, c_launch, wrapped=False, scratch=0, desc_meta=None, annotations=None):
         super().__init__(jit)
         if wrapped:
             launch = (lambda launcher: lambda *args: launcher(*args))(c_launch)
@@ -167,6 +191,8 @@ class CompiledWithLauncher(Compiled):
             launch = c_launch
         self.run = SimpleNamespace(launch=launch, global_scratch_size=scratch, profile_scratch_size=0,
                                    launch_cooperative_grid=False, launch_pdl=True)
+        if annotations is not None:       # the sequence layout's (Triton 3.7-3.9) annotations and C signature
+            self.run.arg_annotations, self.run.kernel_signature = annotations, b"signature"
         self.function, self.packed_metadata = 0xF00, (4, 1, 0)
         self.metadata = SimpleNamespace(tensordesc_meta=desc_meta)
 
@@ -184,9 +210,9 @@ class JITWithLauncher(FakeJIT):
         return bind
 
 
-@pytest.fixture
-def c_launches(fresh_launcher, monkeypatch):
-    """Triton's launch parts as 3.6 has them: the format, an encoder that records what it encodes, hooks, a stream."""
+def _launch_parts(monkeypatch, layout):
+    """Triton's launch parts with the given C launcher layout: an encoder that records what it encodes, hooks, a
+    stream."""
     encoded = []
 
     def encode(desc, meta):
@@ -194,8 +220,20 @@ def c_launches(fresh_launcher, monkeypatch):
         return [f"tma@{desc.base.data_ptr()}", *desc.shape, *desc.strides]
     runtime = SimpleNamespace(launch_enter_hook=HookChain(), launch_exit_hook=HookChain())
     monkeypatch.setattr(_launcher, "_triton_launch_parts",
-                        lambda: (_launcher._C_LAUNCH_FORMAT, encode, runtime, lambda device: 77 + device))
+                        lambda: (layout, encode, runtime, lambda device: 77 + device))
     return SimpleNamespace(encoded=encoded, runtime=runtime)
+
+
+@pytest.fixture
+def c_launches(fresh_launcher, monkeypatch):
+    """Triton 3.6's launch parts."""
+    return _launch_parts(monkeypatch, _launcher.LAYOUT_ARGUMENTS)
+
+
+@pytest.fixture
+def sequence_launches(fresh_launcher, monkeypatch):
+    """Triton 3.7-3.9's launch parts."""
+    return _launch_parts(monkeypatch, _launcher.LAYOUT_SEQUENCE)
 
 
 def test_repeated_launches_call_tritons_c_launcher_with_integer_pointers(c_launches):
@@ -239,7 +277,7 @@ def test_kernels_laid_out_otherwise_keep_the_runner(c_launches, layout):
 
 
 def test_another_c_launcher_format_keeps_the_runner(c_launches, monkeypatch):
-    monkeypatch.setattr(_launcher, "_triton_launch_parts", lambda: ("iiiKKOOOO", None, None, None))
+    monkeypatch.setattr(_launcher, "_triton_launch_parts", lambda: (None, None, None, None))
     kernel = JITWithLauncher()
     for _ in range(2):
         _launcher.launch(kernel, (3,), (FakeTensor(1024), FakeTensor(2048)), (5,), dict(BLOCK=64, FLAG=False))
@@ -270,6 +308,49 @@ def test_tensor_descriptors_are_encoded_once_per_address(c_launches):
     alive = weakref.ref(docs[1])
     del docs[1], d
     assert alive() is None, "the launch cache keeps the documents alive"
+
+
+def test_sequence_layout_passes_the_arguments_as_one_tuple_after_annotations_and_signature(sequence_launches):
+    """Triton 3.7-3.9: grid, stream, function, cooperative, PDL, the kernel's metadata, no launch metadata, hooks
+    or scratch, the annotations and C signature, then every argument (addresses, scalars, constexprs) in one
+    tuple."""
+    annotations = ["ptr", "ptr", "i32", "constexpr", "constexpr"]
+    kernel = JITWithLauncher(annotations=annotations)
+    y = FakeTensor(2048)
+    meta = dict(BLOCK=64, FLAG=True)
+    _launcher.launch(kernel, (7,), (FakeTensor(1024), y), (5,), meta)
+    _launcher.launch(kernel, (7,), (FakeTensor(4096), y), (5,), meta)
+    assert len(kernel.bound) == 1 and kernel.direct == []
+    assert kernel.c_launch.calls == [(7, 1, 1, 77, 0xF00, False, True, (4, 1, 0), None, None, None, None, None,
+                                      annotations, b"signature", (4096, 2048, 5, 64, True))]
+
+
+def test_sequence_layout_encodes_descriptors_inside_the_tuple(sequence_launches):
+    kernel = JITWithLauncher(wrapped=True, desc_meta=[{"swizzle": 128}], annotations=[None] * 10)
+    kernel.params.insert(2, SimpleNamespace(name="DESC", is_constexpr=False))
+    q, docs = FakeTensor(1024), FakeTensor(4096, torch.bfloat16)
+    desc = _launcher.TensorDesc(1, (64, 32), (32, 1), (16, 32))
+    for _ in range(2):
+        _launcher.launch(kernel, (3,), (q, docs), (desc, 5), dict(BLOCK=64, FLAG=False))
+    assert sequence_launches.encoded == [(4096, (64, 32), (32, 1), (16, 32), {"swizzle": 128})]
+    assert [call[-1] for call in kernel.c_launch.calls] == [(1024, 4096, "tma@4096", 64, 32, 32, 1, 5, 64, False)]
+
+
+@pytest.mark.parametrize("annotations", [4, 6], ids=["fewer", "more"])
+def test_sequence_layout_with_another_argument_count_keeps_the_runner(sequence_launches, annotations):
+    """Triton's C code reads one argument per annotation without counting them: a kernel whose annotations do not
+    match what the launch passes is never launched directly."""
+    kernel = JITWithLauncher(annotations=[None] * annotations)
+    for _ in range(2):
+        _launcher.launch(kernel, (3,), (FakeTensor(1024), FakeTensor(2048)), (5,), dict(BLOCK=64, FLAG=False))
+    assert kernel.c_launch.calls == [] and len(kernel.direct) == 1
+
+
+def test_sequence_layout_without_annotations_keeps_the_runner(sequence_launches):
+    kernel = JITWithLauncher()
+    for _ in range(2):
+        _launcher.launch(kernel, (3,), (FakeTensor(1024), FakeTensor(2048)), (5,), dict(BLOCK=64, FLAG=False))
+    assert kernel.c_launch.calls == [] and len(kernel.direct) == 1
 
 # --- tile choices (kernels/launch.py): pure host logic, pinned where a device run showed a regression ---------
 

@@ -12,12 +12,15 @@ whose compiled kernels cannot be called this way, the CPU interpreter) falls bac
 
 Two direct paths, the first one that fits the compiled kernel:
 - ``_CLauncherCall``: Triton's C launcher itself, with the tensors' addresses as integers and each tensor
-  descriptor encoded once per address (Triton 3.6's launcher layout, checked when the kernel is first compiled).
-  The compiled kernel's runner around it re-reads the device, stream and launch hooks, builds launch metadata and
-  calls two empty hook chains: ~7 us of a ~30 us scoring call (session 14, `benchmarks/host_probe.py`); with a
-  tensor descriptor, ~20 us more (the descriptor made, and encoded for the kernel by Triton's launcher wrapper).
+  descriptor encoded once per address (the launcher layouts of Triton 3.6 and of 3.7-3.9, checked when the kernel
+  is first compiled). The compiled kernel's runner around it re-reads the device, stream and launch hooks, builds
+  launch metadata and calls the hooks: ~7 us of a ~30 us scoring call (session 14, `benchmarks/host_probe.py`);
+  with a tensor descriptor, ~20 us more (the descriptor made, and encoded for the kernel by Triton's launcher
+  wrapper).
 - ``_RunnerCall``: the compiled kernel's runner, ``compiled[grid](*args)`` (any Triton whose runner takes every
   argument in order).
+
+Every launch also gives Triton :data:`COMPILE_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from typing import NamedTuple
 import torch
 
 log = logging.getLogger("flash_maxsim")
+
+#: Compile options given to Triton with every launch, instead of its defaults. FMA contraction (fp fusion) is what
+#: every kernel here was written, measured and checked with; Triton 3.9 warns (once per process) where a launch
+#: leaves it to the default, and 3.10 turns that default off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 _RUNNERS: dict = {}
 _MAX_RUNNERS = 4096
@@ -86,21 +94,42 @@ class _RunnerCall:
         self.runner(*tensors, *_tritons_scalars(tensors, scalars), *self.tail)
 
 
-# the leading arguments of Triton 3.6's C launcher: grid x, y, z, stream, function, cooperative grid, PDL, global
-# and profile scratch, kernel metadata, launch metadata, enter and exit hooks; the kernel's arguments follow
+# The two layouts of Triton's C launcher that the direct launch knows.
+# Triton 3.6 (its `_BASE_ARGS_FORMAT`): grid x, y, z, stream, function, cooperative grid, PDL, global and profile
+# scratch, kernel metadata, launch metadata, enter and exit hooks; the kernel's arguments follow one by one.
 _C_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+LAYOUT_ARGUMENTS = "arguments"
+# Triton 3.7, 3.8 and 3.9 (their driver.c: "iiiKKpp(iii)OOOOOOy*O"): grid x, y, z, stream, function, cooperative
+# grid, PDL, kernel metadata, launch metadata, enter and exit hooks, global and profile scratch, the arguments'
+# annotations and C signature, then the kernel's arguments as one tuple, constexprs included (the annotations skip
+# them). That format is C code, not readable at run time, hence the list of versions whose source was read.
+LAYOUT_SEQUENCE = "sequence"
+_SEQUENCE_LAYOUT_VERSIONS = ("3.7.", "3.8.", "3.9.")
+
+
+def _launcher_layout(triton_version: str, base_args_format) -> "str | None":
+    """The C launcher layout of this Triton, or None where it is neither known layout (no direct launch)."""
+    if base_args_format is not None:
+        return LAYOUT_ARGUMENTS if base_args_format == _C_LAUNCH_FORMAT else None
+    return LAYOUT_SEQUENCE if triton_version.startswith(_SEQUENCE_LAYOUT_VERSIONS) else None
 
 
 def _triton_launch_parts():
-    """What the direct C launch needs from this Triton: (its C launchers' leading-argument format, the function
-    that encodes a tensor descriptor for them, the runtime knobs holding the launch hooks, the current-stream
+    """What the direct C launch needs from this Triton: (its C launcher's layout, ``encode(descriptor, metadata)``
+    giving a tensor descriptor's encoded arguments, the runtime knobs holding the launch hooks, the current-stream
     getter); None without Triton's CUDA backend."""
     try:
+        import inspect
+
+        import triton
         from triton import knobs
         from triton.backends.nvidia import driver as cuda_driver
         from triton.runtime import driver
-        return (getattr(cuda_driver, "_BASE_ARGS_FORMAT", None), cuda_driver.make_tensordesc_arg, knobs.runtime,
-                driver.active.get_current_stream)
+        layout = _launcher_layout(triton.__version__, getattr(cuda_driver, "_BASE_ARGS_FORMAT", None))
+        encode = cuda_driver.make_tensordesc_arg
+        if len(inspect.signature(encode).parameters) == 3:     # 3.8+: a third argument, unused for CUDA
+            encode = (lambda make: lambda desc, meta: make(desc, meta, None))(encode)
+        return layout, encode, knobs.runtime, driver.active.get_current_stream
     except Exception as exc:
         log.debug("flash_maxsim: no direct C launches (%s)", exc)
         return None
@@ -108,11 +137,16 @@ def _triton_launch_parts():
 
 class _CLauncherCall:
     """Triton's C launcher called directly (``compiled.run.launch``, or the C function inside its tensor-descriptor
-    wrapper), when the compiled kernel is laid out as Triton 3.6 lays it out; see ``from_compiled``. Launch hooks
-    (a profiler's) send the call through the runner instead."""
+    wrapper), when the compiled kernel is laid out as one of the known layouts has it; see ``from_compiled``.
+    Launch hooks (a profiler's) send the call through the runner instead."""
 
-    def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream):
+    def __init__(self, c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream,
+                 layout):
         self.c_launch, self.tail = c_launch, tail
+        self.sequence = layout == LAYOUT_SEQUENCE
+        # the sequence layout's annotations and C signature of the arguments (fixed per compiled kernel)
+        self.annotations = getattr(compiled.run, "arg_annotations", None)
+        self.signature = getattr(compiled.run, "kernel_signature", None)
         self.through_runner = _RunnerCall(runner, tail)     # while a launch hook is set
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
@@ -124,16 +158,16 @@ class _CLauncherCall:
         self.encoded: dict = {}      # descriptors' tensors' addresses -> the scalars with them encoded
 
     @classmethod
-    def from_compiled(cls, compiled, runner, grid, tail, scalars):
-        """The direct call, or None where the compiled kernel is not laid out as this call expects: the C
-        launcher's leading arguments as Triton 3.6's, no scratch memory, and tensor descriptors (if any) that
-        Triton lowered to TMA descriptors (``tensordesc_meta``)."""
+    def from_compiled(cls, compiled, runner, grid, tail, tensors, scalars):
+        """The direct call, or None where the compiled kernel is not laid out as this call expects: a known C
+        launcher layout, no scratch memory, tensor descriptors (if any) that Triton lowered to TMA descriptors
+        (``tensordesc_meta``), and in the sequence layout one annotation per argument this call passes."""
         parts = _triton_launch_parts()
-        if parts is None or parts[0] != _C_LAUNCH_FORMAT:
+        if parts is None or parts[0] is None:
             return None
-        _, encode, runtime, get_stream = parts
+        layout, encode, runtime, get_stream = parts
         launcher = compiled.run
-        if launcher.global_scratch_size or launcher.profile_scratch_size:
+        if launcher.global_scratch_size or launcher.profile_scratch_size or getattr(launcher, "gsan_enabled", False):
             return None
         c_launch = launcher.launch
         code = getattr(c_launch, "__code__", None)
@@ -148,11 +182,20 @@ class _CLauncherCall:
         desc_meta = getattr(compiled.metadata, "tensordesc_meta", None)
         if desc_at and (not desc_meta or len(desc_meta) != len(desc_at) or any(m is None for m in desc_meta)):
             return None
-        return cls(c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream)
+        if layout == LAYOUT_SEQUENCE:
+            # Triton's C code reads one argument per annotation without counting them: check the count once.
+            # A descriptor is encoded as the TMA descriptor, its shape and its strides.
+            annotations = getattr(launcher, "arg_annotations", None)
+            passed = len(tensors) + len(tail) + sum(1 + 2 * len(s.shape) if isinstance(s, TensorDesc) else 1
+                                                    for s in scalars)
+            if annotations is None or getattr(launcher, "kernel_signature", None) is None \
+                    or len(annotations) != passed:
+                return None
+        return cls(c_launch, compiled, runner, grid, tail, encode, desc_at, desc_meta, runtime, get_stream, layout)
 
     def _hooks_idle(self) -> bool:
         for chain in (self.runtime.launch_enter_hook, self.runtime.launch_exit_hook):
-            # Triton 3.6's hook chains (never None); a hook set some other way counts as active
+            # Triton 3.6-3.9's hook chains (never None); a hook set some other way counts as active
             if chain is not None and getattr(chain, "calls", True):
                 return False
         return True
@@ -181,6 +224,11 @@ class _CLauncherCall:
         if not self._hooks_idle():
             self.through_runner(tensors, ptrs, scalars, device)
             return
+        if self.sequence:
+            self.c_launch(*self.grid, self.get_stream(device), self.function, self.cooperative, self.pdl,
+                          self.packed_metadata, None, None, None, None, None, self.annotations, self.signature,
+                          (*ptrs, *self._with_encoded(tensors, ptrs, scalars), *self.tail))
+            return
         self.c_launch(*self.grid, self.get_stream(device), self.function, self.cooperative, self.pdl, None, None,
                       self.packed_metadata, None, None, None, *ptrs, *self._with_encoded(tensors, ptrs, scalars),
                       *self.tail)
@@ -195,7 +243,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
     holds the plan, so its identity is never reused."""
     global _enabled
     if not _enabled or not tensors[0].is_cuda:
-        kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta)
+        kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta, **COMPILE_OPTIONS)
         return
     ptrs = [t.data_ptr() for t in tensors]
     device = torch.cuda.current_device()
@@ -217,7 +265,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
             log.debug("flash_maxsim: direct kernel launch failed (%s); using Triton's launch path", exc)
             _enabled = False
             _RUNNERS.clear()
-    compiled = kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta)
+    compiled = kernel[grid](*tensors, *_tritons_scalars(tensors, scalars), **meta, **COMPILE_OPTIONS)
     tail = _constexpr_tail(kernel, len(tensors) + len(scalars), meta)
     if tail is None:
         return
@@ -230,7 +278,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
         return
     entry = None
     try:
-        entry = _CLauncherCall.from_compiled(compiled, runner, grid, tail, scalars)
+        entry = _CLauncherCall.from_compiled(compiled, runner, grid, tail, tensors, scalars)
     except Exception as exc:   # a compiled kernel laid out otherwise: its runner
         log.debug("flash_maxsim: Triton's C launcher not callable directly (%s); using the compiled runner", exc)
     if len(_RUNNERS) >= _MAX_RUNNERS:
