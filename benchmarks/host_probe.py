@@ -23,12 +23,13 @@ CALLS = 1000
 
 
 def last_launch(p):
-    """(entry, tensors, scalars) of the forward's kernel launch for the problem ``p``."""
+    """(entry, plan, tensors, scalars) of the forward's scoring launch (the one with a launch plan) for ``p``."""
     seen = {}
     real = _launcher.launch
 
     def spy(kernel, grid, tensors, scalars, meta, meta_key=None, plan=None):
-        seen.update(tensors=tensors, scalars=scalars, plan=plan)
+        if plan is not None:
+            seen.update(tensors=tensors, scalars=scalars, plan=plan)
         return real(kernel, grid, tensors, scalars, meta, meta_key, plan)
     _launcher.launch = spy
     try:
@@ -36,21 +37,20 @@ def last_launch(p):
     finally:
         _launcher.launch = real
     entry = next(e for k, e in _launcher._RUNNERS.items() if k[1] is seen["plan"])
-    return entry, seen["tensors"], seen["scalars"]
+    return entry, seen["plan"], seen["tensors"], seen["scalars"]
 
 
 def probe(name, q, docs, overrides):
     launch.FORWARD_OVERRIDES.clear()
     launch.FORWARD_OVERRIDES.update(overrides)
     p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=None)
-    entry, tensors, scalars = last_launch(p)
-    plan = next(reversed(launch._FORWARD_PLANS.values()))
+    entry, plan, tensors, scalars = last_launch(p)
     print(f"== {name} {overrides or ''} (TMA {plan.meta['TMA_DOCS']}, launch: {type(entry).__name__})")
     rows = {
         "fm.maxsim": lambda: fm.maxsim(q, docs),
         "launch.forward": lambda: forward_scores(launch, p),
-        "cached launch alone": lambda: _launcher.launch(launch.maxsim_fwd_kernel, plan.grid, tensors, scalars,
-                                                        plan.meta, plan.meta_key, plan),
+        "cached launch alone": lambda: _launcher.launch(plan.kernel, plan.grid, tensors, scalars, plan.meta,
+                                                        plan.meta_key, plan),
         # the compiled kernel's runner on the same arguments (what a direct C launch falls back to)
         "compiled runner alone": lambda: getattr(entry, "through_runner", entry)(tensors, None, scalars, None),
         "torch.empty scores": lambda: torch.empty(plan.scores_shape, device="cuda"),
