@@ -163,9 +163,9 @@ def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
         call()
     torch.cuda.synchronize()
     assert _launcher._enabled and _launcher._RUNNERS
-    runners = {key[0].fn.__name__ if hasattr(key[0], "fn") else str(key[0]): type(entry).__name__
-               for key, entry in _launcher._RUNNERS.items()}
-    assert set(runners.values()) == {"_CLauncherCall"}, runners
+    not_direct = [(getattr(key[0], "fn", key[0]).__name__, type(entry).__name__)
+                  for key, entry in _launcher._RUNNERS.items() if not isinstance(entry, _launcher._CLauncherCall)]
+    assert not_direct == [], not_direct
 
 
 _FP_FUSION_SCRIPT = """
