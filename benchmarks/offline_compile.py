@@ -35,16 +35,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
-import flash_maxsim as fm  # noqa: E402
-from flash_maxsim import _layout, ops  # noqa: E402
-from flash_maxsim.kernels import _launcher, launch  # noqa: E402
+import flash_maxsim as fm
+from flash_maxsim import _layout, ops
+from flash_maxsim.kernels import _launcher, launch
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

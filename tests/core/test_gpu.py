@@ -169,7 +169,7 @@ def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
 
 
 _FP_FUSION_SCRIPT = """
-import sys, warnings, torch, triton, flash_maxsim
+import warnings, torch, triton, flash_maxsim
 from flash_maxsim.kernels import backward, forward, forward_token_rows
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter('always')

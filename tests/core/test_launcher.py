@@ -352,6 +352,7 @@ def test_sequence_layout_without_annotations_keeps_the_runner(sequence_launches)
         _launcher.launch(kernel, (3,), (FakeTensor(1024), FakeTensor(2048)), (5,), dict(BLOCK=64, FLAG=False))
     assert kernel.c_launch.calls == [] and len(kernel.direct) == 1
 
+
 # --- tile choices (kernels/launch.py): pure host logic, pinned where a device run showed a regression ---------
 
 from flash_maxsim.kernels import launch  # noqa: E402
