@@ -2,7 +2,7 @@
 problems that covers its tile choices (bandwidth- and compute-bound scoring, long documents split over programs,
 the several-documents loop, int8 x int8 products, converted int8 / fp8, CUDA-core fp32, masks, ragged, paired,
 smooth max, training forward and backward), compiled by Triton for the target down to a cubin, and reported:
-registers, local memory (spills), shared memory, the tensor-core instructions in the PTX, the instructions of each
+registers, the stack frame (where ptxas spills registers), local arrays, shared memory, the tensor-core instructions in the PTX, the instructions of each
 innermost loop in the SASS (per iteration and thread: a tile loop's cost, counted before and after a change), and a
 digest of the code (equal before and after a refactor: the compiled kernels did not change).
 
@@ -324,6 +324,26 @@ def code_digest(ptx: str) -> str:
     return hashlib.sha256(kept.encode()).hexdigest()[:16]
 
 
+_ALLOC_FROM_REGISTERS = re.compile(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+)")
+
+
+def loop_allocations(ttgir: str) -> list:
+    """The shared-memory copies of register values made inside a loop (``ttg.local_alloc`` of a tensor within an
+    ``scf.for``), as their shapes (``"32x128xi8"``): a tensor-core operand copied there is stored again every
+    iteration, where a loop-invariant one (a query tile) belongs before the loop (Triton 3.9 keeps it inside when a
+    transpose of it is: session 41)."""
+    scopes, found = [], []
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}") and scopes:
+            scopes.pop()
+        if "for" in scopes:
+            found += _ALLOC_FROM_REGISTERS.findall(text)
+        if text.endswith("{"):
+            scopes.append("for" if "scf.for" in text else "other")
+    return found
+
+
 def _cuobjdump(cubin: bytes, option: str) -> str:
     """What Triton's bundled cuobjdump prints for a cubin with ``option`` (``-res-usage``, ``-sass``)."""
     from triton.backends.nvidia import compiler as nvidia_compiler
@@ -335,6 +355,8 @@ def _cuobjdump(cubin: bytes, option: str) -> str:
 
 
 def _resource_usage(cubin: bytes) -> dict:
+    """Registers, ``local_bytes`` (local arrays: none expected) and ``stack_bytes`` (the frame ptxas spills registers
+    to; spill instructions inside a tile loop show in ``sass_loops``' counts of STL / LDL)."""
     out = _cuobjdump(cubin, "-res-usage")
     usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
     return {"registers": usage.get("reg", -1), "local_bytes": usage.get("local", -1),
@@ -385,6 +407,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
     return {"kernel": kernel.__name__, "grid": list(grid), "direct_launch": direct,
             "num_warps": md.num_warps, "num_stages": md.num_stages,
             "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
+            "loop_allocations": loop_allocations(compiled.asm["ttgir"]),
             **_resource_usage(compiled.asm["cubin"]), "loops": sass_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))}
 
 
@@ -420,7 +443,7 @@ def run_cases(cases, arch: int, sms: int, log=print) -> list:
             else:
                 loops = "/".join(str(loop["instructions"]) for loop in row["loops"][:3])
                 log(f"ok   {case.name:45s} {row['kernel']:28s} warps={row['num_warps']} regs={row['registers']:3d} "
-                    f"local={row['local_bytes']} smem={row['shared_bytes']} mma={row['mma']} loops={loops} "
+                    f"stack={row['stack_bytes']} smem={row['shared_bytes']} mma={row['mma']} loops={loops} "
                     f"({row['compile_s']} s)")
     return rows
 

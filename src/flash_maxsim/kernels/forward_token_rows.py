@@ -24,26 +24,26 @@ from .forward import (_document_tile, _max_propagating_nan, _quantized_query_til
 
 
 @triton.jit
-def _token_rows_tile(D, run_d, run_m, n, run_len, q_tile, DMASK, SCALES, d_cols, stride_dl, stride_dd, stride_dml, d,
+def _token_rows_tile(D, run_d, run_m, n, run_len, q_cols, DMASK, SCALES, d_cols, stride_dl, stride_dd, stride_dml, d,
                      D_DESC, tma_row, PARTIAL: tl.constexpr, HAS_DMASK: tl.constexpr, ZERO_MASKED: tl.constexpr,
                      EVEN_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """``S^T[token, row]`` for the run's tokens ``n``: the 8-bit products' sums times the token's scale, masked
     (-inf where a token does not count; 0 for a masked token in ``ZERO_MASKED`` mode). ``PARTIAL``: the run's last
     tile, which may pass its end ``run_len``. ``TMA``: a whole tile copied from the descriptor, rows ``tma_row +
-    [0, BLOCK_N)``."""
+    [0, BLOCK_N)``. ``q_cols``: the quantized query tile transposed, [features, rows]."""
     in_range = n < run_len
     # the scales are loaded before the products, so that their latency overlaps the products' (kernels/forward.py)
     sc = _token_values(SCALES, run_m, n, stride_dml, in_range, PARTIAL, None, False)
     d_tile = _document_tile(D + run_d + n[:, None] * stride_dl + d_cols[None, :].to(tl.int64) * stride_dd, in_range,
                             d_cols, d, D_DESC, tma_row, PARTIAL, EVEN_D, TMA)
-    if q_tile.dtype == tl.int8:
+    if q_cols.dtype == tl.int8:
         # exact int32 sums, exactly converted (|sum| <= 127^2 d < 2^24)
-        s = tl.dot(d_tile, tl.trans(q_tile), out_dtype=tl.int32).to(tl.float32)
+        s = tl.dot(d_tile, q_cols, out_dtype=tl.int32).to(tl.float32)
     elif UPCAST:
         # the interpreter's fp8 conversions and products are not exact: the values as fp32 numbers
-        s = tl.dot(d_tile.to(tl.float32), tl.trans(q_tile), input_precision="ieee")
+        s = tl.dot(d_tile.to(tl.float32), q_cols, input_precision="ieee")
     else:
-        s = tl.dot(d_tile, tl.trans(q_tile), out_dtype=tl.float32)
+        s = tl.dot(d_tile, q_cols, out_dtype=tl.float32)
     s = s * _scales_as_fp32(sc)[:, None]
     if HAS_DMASK:
         dm = _token_values(DMASK, run_m, n, stride_dml, in_range, PARTIAL, None, False)
@@ -127,6 +127,10 @@ def maxsim_fwd_token_rows_kernel(
     q_tile = tl.load(Q + (qidx * stride_qn + tok * stride_ql)[:, None] + d_cols[None, :].to(tl.int64) * stride_qd,
                      mask=row_ok[:, None] & (d_cols[None, :] < d), other=0.0)
     q_tile, q_scale = _quantized_query_tile(q_tile, row_ok, D.dtype.element_ty == tl.float8e4nv, UPCAST)
+    # transposed here, once: from Triton 3.9 a transpose inside the loop keeps the query's shared-memory copy (the
+    # products' operand) there too, stored again every tile from registers it spills (offline sm_90, 32x300: 4
+    # stores, a barrier and 4 local loads per tile, 88 stack bytes; Triton 3.6 hoisted it either way, same PTX)
+    q_cols = tl.trans(q_tile)
 
     n_here = tl.minimum(n_docs - t * docs_per_program, docs_per_program).to(tl.int32)
     tj = t * docs_per_program
@@ -141,14 +145,14 @@ def maxsim_fwd_token_rows_kernel(
     m = tl.full((BLOCK_N, BLOCK_M), float("-inf"), dtype=tl.float32)
     for i in range(0, n_whole):
         n0 = (zero64 + i) * BLOCK_N
-        s = _token_rows_tile(D, run_d, run_m, n0 + cols64, run_len, q_tile, DMASK, SCALES, d_cols, stride_dl,
+        s = _token_rows_tile(D, run_d, run_m, n0 + cols64, run_len, q_cols, DMASK, SCALES, d_cols, stride_dl,
                              stride_dd, stride_dml, d, D_DESC, (run_row + n0).to(tl.int32), False, HAS_DMASK,
                              ZERO_MASKED, EVEN_D, UPCAST, TMA_DOCS)
         m, tj, doc_end = _fold_token_rows_tile(m, s, tj, doc_end, n0, OUT, row_ok, q_scale, Nq, Ld, stride_on,
                                                stride_oc, BLOCK_N, QPB, TOKB, STRADDLE)
     if STRADDLE and n_whole * BLOCK_N < run_len:
         n0 = (zero64 + n_whole) * BLOCK_N
-        s = _token_rows_tile(D, run_d, run_m, n0 + cols64, run_len, q_tile, DMASK, SCALES, d_cols, stride_dl,
+        s = _token_rows_tile(D, run_d, run_m, n0 + cols64, run_len, q_cols, DMASK, SCALES, d_cols, stride_dl,
                              stride_dd, stride_dml, d, D_DESC, 0, True, HAS_DMASK, ZERO_MASKED, EVEN_D, UPCAST, False)
         _fold_token_rows_tile(m, s, tj, doc_end, n0, OUT, row_ok, q_scale, Nq, Ld, stride_on, stride_oc, BLOCK_N,
                               QPB, TOKB, STRADDLE)
