@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 from flash_maxsim.kernels import _launcher
 
@@ -643,12 +644,17 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
         return launch._forward_plan(torch.empty(1, Lq, 128, dtype=torch.bfloat16),
                                     torch.empty(B, Ld, 128, dtype=torch.int8), None, None, None, 0, False, None,
                                     False, Ld, torch.empty(B, Ld))
-    p = plan(10000, 32, 300)            # 1,056 program slots: 10 documents each, 1,000 programs
     # runs of documents with document tokens as the tile's rows (kernels/forward_token_rows.py): 4 warps, 64-token
-    # tiles copied by TMA, 64 registers
-    assert p.docs == 10 and p.grid == (1000,) and p.kernel is launch.maxsim_fwd_token_rows_kernel
-    assert p.meta["TMA_DOCS"] and p.meta["STRADDLE"] and p.meta["BLOCK_N"] == 64 and p.meta["num_warps"] == 4
-    assert p.meta["maxnreg"] == 64 and "MULTI_DOC" not in p.meta
+    # tiles copied by TMA; 8 programs per SM at 64 registers (1,056 program slots: 10 documents each, 1,000
+    # programs), or from Triton 3.9, whose loop needs 75, 6 per SM uncapped (792 slots: 13 each, 770 programs)
+    for needs_75, docs, grid, maxnreg in ((False, 10, 1000, 64), (True, 13, 770, None)):
+        with monkeypatch.context() as m:
+            m.setattr(launch, "TOKEN_ROWS_INT8_NEEDS_75_REGISTERS", needs_75)
+            p = plan(10000, 32, 300)
+        assert p.docs == docs and p.grid == (grid,) and p.kernel is launch.maxsim_fwd_token_rows_kernel
+        assert p.meta["TMA_DOCS"] and p.meta["STRADDLE"] and p.meta["BLOCK_N"] == 64 and p.meta["num_warps"] == 4
+        assert p.meta.get("maxnreg") == maxnreg and "MULTI_DOC" not in p.meta
+    assert launch.TOKEN_ROWS_INT8_NEEDS_75_REGISTERS == launch._triton_at_least(triton.__version__, 3, 9)
     # without TMA (before Hopper) the tile kernel: one run of tokens on 2 warps, no scales loaded ahead
     with monkeypatch.context() as m:
         m.setattr(launch, "_tensor_descriptors", lambda queries: False)
@@ -669,6 +675,13 @@ def test_several_documents_per_program_for_int8_products(monkeypatch):
     assert p.kernel is launch.maxsim_fwd_token_rows_kernel and not p.meta["STRADDLE"]
     p = plan(500, 32, 300)
     assert p.docs == 1 and p.grid == (500,) and not p.meta["MULTI_DOC"]
+
+
+def test_triton_versions_compare_by_major_and_minor():
+    at_least = launch._triton_at_least
+    assert at_least("3.9.0", 3, 9) and at_least("3.10.0+git1234abcd", 3, 9) and at_least("4.0.0", 3, 9)
+    assert not at_least("3.8.0", 3, 9) and not at_least("3.6.0", 3, 9)
+    assert at_least("main", 3, 9)          # not numbered: taken as a recent build
 
 
 def test_runs_of_documents_that_straddle_tiles_only_where_triton_compiles_them(monkeypatch):

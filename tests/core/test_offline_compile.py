@@ -91,10 +91,13 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
         assert set(row["mma"]) == {instruction}, row["mma"]
     assert _by_case(rows, tiles)["meta"]["MULTI_DOC"]
     # the default for runs of documents streaming one query: document tokens as the rows of 64-row wgmma tiles,
-    # copied by TMA, in at most 64 registers (8 programs of 4 warps per SM)
+    # copied by TMA, in at most 64 registers (8 programs of 4 warps per SM; from Triton 3.9, 6 uncapped, at most 80),
+    # nothing spilled in the tile loop
     row = _by_case(rows, "int8 1x3k 32x300 (several documents per program)", "maxsim_fwd_token_rows_kernel")
     assert set(row["mma"]) == {"wgmma s8"} and row["meta"]["TMA_DOCS"] and row["meta"]["BLOCK_N"] == 64
-    assert row["registers"] <= 64 and row["num_warps"] == 4
+    assert row["registers"] <= (80 if launch.TOKEN_ROWS_INT8_NEEDS_75_REGISTERS else 64) and row["num_warps"] == 4
+    assert all(not loop["ops"].get(op) for loop in row["loops"] for op in ("STL", "LDL", "LDL.LU", "LDL.64")), (
+        row["loops"])
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
     # the compute-bound grid reads queries quantised before the launch; the bandwidth-bound one quantises them
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["Q_QUANTIZED"]

@@ -17,6 +17,7 @@ queries' size). Nothing scales with Lq*Ld.
 import math
 
 import torch
+import triton
 
 from . import _launcher
 from .._layout import aux_dtype
@@ -85,6 +86,20 @@ def _dummy(queries):
 
 # Tile choices, overridable for tuning sweeps (benchmarks/kernel_check.py --sweep): name -> value.
 FORWARD_OVERRIDES: dict = {}
+
+
+def _triton_at_least(version: str, major: int, minor: int) -> bool:
+    """Whether a Triton version string ("3.9.0", "3.10.0+git1234") is ``major.minor`` or later."""
+    try:
+        found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return True                     # a build not numbered so: assume a recent one
+    return found >= (major, minor)
+
+
+# From Triton 3.9 the int8 token-rows kernel's loop needs 75 registers where 3.6-3.8 fit it in 64 (offline sm_90:
+# capped at 64 it spills 56 stack bytes, with local loads in every tile): 6 programs per SM, uncapped, there
+TOKEN_ROWS_INT8_NEEDS_75_REGISTERS = _triton_at_least(triton.__version__, 3, 9)
 
 
 def _row_tiling(Nq, Lq, paired, rows):
@@ -272,6 +287,11 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             cfg.update(TOKEN_ROWS=True, TOKEN_ROWS_TMA=True, TOKEN_ROWS_STAGES=2, TOKEN_ROWS_WARPS=4)
             if products == "fp8":
                 cfg.update(TOKEN_ROWS_BLOCK_N=128, TOKEN_ROWS_PROGRAMS_PER_SM=4, TOKEN_ROWS_MAXNREG=0)
+            elif TOKEN_ROWS_INT8_NEEDS_75_REGISTERS:
+                # session 41, run56 call 1 (H100, Triton 3.9, ab_forward, 3 rounds): 1x10k 32x300 0.1419 ms
+                # against 0.1568 at 8 per SM and 64 registers (7 per SM at 72: 0.1435), 32x1030 0.4436 against
+                # 0.4726 (0.4449); Triton 3.6's 8 per SM at 64, same call: 0.1430 and 0.4434
+                cfg.update(TOKEN_ROWS_BLOCK_N=64, TOKEN_ROWS_PROGRAMS_PER_SM=6, TOKEN_ROWS_MAXNREG=0)
             else:
                 cfg.update(TOKEN_ROWS_BLOCK_N=64, TOKEN_ROWS_PROGRAMS_PER_SM=8, TOKEN_ROWS_MAXNREG=64)
             if products == "fp8" and cfg["num_warps"] == 2:
