@@ -357,6 +357,8 @@ def main(argv=None) -> int:
                     "temperature and throttle reasons during it (nvidia-smi sampled every 20 ms: gpu_clocks.py)")
     ap.add_argument("--ceiling", action="store_true", help="time the baseline without checking its scores: a "
                     "deliberately wrong copy (e.g. one with some work cut out) bounds what removing that work gains")
+    ap.add_argument("--base-fp32-scales", action="store_true", help="quantized rows: give the baseline fp32 scales "
+                    "(a baseline before session 27 reads no others; by default it scores the index as this checkout)")
     ap.add_argument("--fp32-scales", action="store_true", help="quantized rows: also time this checkout's default "
                     "on the same index with its scales as fp32 (4 bytes a token, as before session 27) instead of bf16")
     ap.add_argument("--host", action="store_true", help="first, the host time of a launch with and without a TMA "
@@ -413,11 +415,12 @@ def run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, cl
             docs = fm.quantize(docs, dtype=kind)
         tau = 0.1 if kind == "smooth-train" else None
         p = _layout.canonicalize(q, docs, None, None, masked="exclude", smooth_tau=tau)
-        # the index as it was before its 2-byte scales (session 27): the same numbers as fp32 scales, which the
-        # baseline is given (a baseline before that session reads fp32 scales only)
+        # the index as it was before its 2-byte scales (session 27): the same numbers as fp32 scales, which a
+        # baseline before that session reads (--base-fp32-scales); a later one is given the index as it is
         p32 = p if p.document_scales is None else dataclasses.replace(p, document_scales=p.document_scales.float())
+        p_base = p32 if args.base_fp32_scales else p
 
-        entries = ([("base", lambda: forward_scores(base_launch, p32, training, tau), lambda: set_overrides({}))]
+        entries = ([("base", lambda: forward_scores(base_launch, p_base, training, tau), lambda: set_overrides({}))]
                    if base_launch else [])
         entries += [("new " + (str(v) if v else "default"), lambda: forward_scores(launch, p, training, tau),
                      lambda v=v: set_overrides(v)) for v in variants]
@@ -425,7 +428,7 @@ def run_rows(args, fm, _layout, launch, base_launch, variants, set_overrides, cl
             entries.append(("new default, fp32 scales", lambda: forward_scores(launch, p32, training, tau),
                             lambda: set_overrides({})))
         # the reference scores: this checkout's when the baseline is a deliberately wrong copy (--ceiling)
-        want = forward_scores(launch if args.ceiling else (base_launch or launch), p32, training, tau)
+        want = forward_scores(launch if args.ceiling else (base_launch or launch), p_base, training, tau)
         # fp8 rows: Hopper's fp8 tensor cores sum in fewer bits than fp32 (~2^-14 of the products' magnitude: docs/
         # semantics.md), so an fp8 path on other tensor-core instructions differs at ~1e-4 of the largest score
         times = time_interleaved(entries, want, args.rounds, 5e-4 if kind == "fp8" else 1e-5, clocks,
