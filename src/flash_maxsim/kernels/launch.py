@@ -288,9 +288,10 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
             if products == "fp8":
                 cfg.update(TOKEN_ROWS_BLOCK_N=128, TOKEN_ROWS_PROGRAMS_PER_SM=4, TOKEN_ROWS_MAXNREG=0)
             elif TOKEN_ROWS_INT8_NEEDS_75_REGISTERS:
-                # session 41, run56 call 1 (H100, Triton 3.9, ab_forward, 3 rounds): 1x10k 32x300 0.1419 ms
-                # against 0.1568 at 8 per SM and 64 registers (7 per SM at 72: 0.1435), 32x1030 0.4436 against
-                # 0.4726 (0.4449); Triton 3.6's 8 per SM at 64, same call: 0.1430 and 0.4434
+                # session 41, run56 call 2 (H100, Triton 3.9, ab_forward, 5 rounds): 1x10k 32x300 0.1418 ms
+                # against 0.1568 at 8 per SM and 64 registers (7 per SM at 72: 0.1439), 32x1030 0.4445 against
+                # 0.4740 (0.4448); Triton 3.6's 8 per SM at 64, same call: 0.1425 and 0.4434 (its 6 per SM: 0.1424,
+                # 0.4436)
                 cfg.update(TOKEN_ROWS_BLOCK_N=64, TOKEN_ROWS_PROGRAMS_PER_SM=6, TOKEN_ROWS_MAXNREG=0)
             else:
                 cfg.update(TOKEN_ROWS_BLOCK_N=64, TOKEN_ROWS_PROGRAMS_PER_SM=8, TOKEN_ROWS_MAXNREG=64)
