@@ -2,9 +2,10 @@
 problems that covers its tile choices (bandwidth- and compute-bound scoring, long documents split over programs,
 the several-documents loop, int8 x int8 products, converted int8 / fp8, CUDA-core fp32, masks, ragged, paired,
 smooth max, training forward and backward), compiled by Triton for the target down to a cubin, and reported:
-registers, the stack frame (where ptxas spills registers), local arrays, shared memory, the tensor-core instructions in the PTX, the instructions of each
-innermost loop in the SASS (per iteration and thread: a tile loop's cost, counted before and after a change), and a
-digest of the code (equal before and after a refactor: the compiled kernels did not change).
+registers, the stack frame (where ptxas spills registers), local arrays, shared memory, the tensor-core
+instructions in the PTX, the shared-memory copies made inside loops (TTGIR), the instructions of each innermost
+loop in the SASS (per iteration and thread: a tile loop's cost, counted before and after a change), and a digest
+of the code (equal before and after a refactor: the compiled kernels did not change).
 
     python benchmarks/offline_compile.py [--arch 90] [--sms 132] [--only TEXT] [--json OUT.json]
 

@@ -1,7 +1,8 @@
 """The kernels compile for Hopper (sm_90) and Ampere (sm_80) on this GPU-less machine, for every specialisation the
 launcher picks on benchmarks/offline_compile.py's problems, without local arrays, without spills in the tile loops
-of the paths named below, and on the tensor-core instructions each path is meant to use. The interpreter (test_interpreter.py) checks the arithmetic but never runs the compiler:
-a kernel change can pass it and still fail to compile on a GPU (as the last test here shows)."""
+of the paths named below, and on the tensor-core instructions each path is meant to use. The interpreter
+(test_interpreter.py) checks the arithmetic but never runs the compiler: a kernel change can pass it and still fail
+to compile on a GPU (as the last test here shows)."""
 
 import json
 import os
