@@ -5,10 +5,13 @@ fp32/bf16 is here, plus the kernels' special paths (long queries, wide features,
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flash_maxsim
 from flash_maxsim import _layout, reference
 from flash_maxsim.kernels import launch
+from flash_maxsim.kernels.forward import _tile_max_dropping_nan
 from flash_maxsim.ops import force_backend
 
 from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, expected_scores_and_grads,
@@ -389,3 +392,31 @@ def test_several_documents_each_peeled_score_like_one_document_per_program(maske
             torch.testing.assert_close(got, results[0], rtol=1e-6, atol=1e-5, equal_nan=True)
         else:
             assert torch.equal(got.nan_to_num(), results[0].nan_to_num()), label
+
+
+@triton.jit
+def _tile_max_kernel(S, OUT, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_tile_max_dropping_nan`` of the [ROWS, BLOCK_N] tile ``S`` (row-major) into ``OUT``."""
+    r = tl.arange(0, ROWS)
+    s = tl.load(S + r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    tl.store(OUT + r, _tile_max_dropping_nan(s, BLOCK_N))
+
+
+@pytest.mark.parametrize("rows, block_n", [(64, 32), (64, 64), (128, 128), (32, 64)],
+                         ids=["64x32", "64x64", "128x128", "32x64-tl.max"])
+def test_tile_max_dropping_nan_folds_every_column(rows, block_n, seed):
+    """``_tile_max_dropping_nan`` (the bit-cast sums' hard max: columns folded in a fixed chain, kernels/forward.py)
+    is each row's maxNum over all its columns: every column position holds some row's maximum, NaN entries are
+    dropped, a row of NaN stays NaN; at 32 rows (``tl.max``) too."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(rows, block_n, generator=g)
+    at = torch.randperm(rows, generator=g) % block_n           # row r's max at column at[r]: every column used
+    s[torch.arange(rows), at] = 2.0 + torch.rand(rows, generator=g)
+    s[torch.rand(rows, block_n, generator=g) < 0.3] = float("nan")   # dropped, the planted maxima included
+    s[1] = float("nan")
+    s = s.to(DEVICE)
+    out = torch.empty(rows, device=DEVICE)
+    _tile_max_kernel[(1,)](s, out, rows, block_n)
+    want = torch.where(s.isnan(), float("-inf"), s).amax(1)
+    want[s.isnan().all(1)] = float("nan")
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())

@@ -550,15 +550,19 @@ _RUNS = dict(DOCS=3, PROGRAMS_PER_SM=0, ROWS=32)
 @pytest.mark.filterwarnings("ignore:All-NaN slice")      # the interpreter's max over the NaN of negative sums
 @pytest.mark.parametrize("length, masked, knobs", [
     (70, "exclude", {}), (70, "zero", {"QUANTIZE_FIRST": True, "TMA_DOCS": True}),
-    (128, "exclude", {"PREFETCH_TOKENS": True, "TMA_DOCS": True}), (128, "zero", {"QUANTIZE_FIRST": True})],
-    ids=["straddling-exclude", "straddling-zero-tma", "whole-tiles-prefetched-tma", "whole-tiles-zero"])
+    (128, "exclude", {"PREFETCH_TOKENS": True, "TMA_DOCS": True}), (128, "zero", {"QUANTIZE_FIRST": True}),
+    (200, "exclude", {"ROWS": 64, "BLOCK_N": 128, "CHAINED_MAX": True}),
+    (128, "zero", {"ROWS": 64, "PREFETCH_TOKENS": True, "CHAINED_MAX": True})],
+    ids=["straddling-exclude", "straddling-zero-tma", "whole-tiles-prefetched-tma", "whole-tiles-zero",
+         "64-rows-straddling-exclude", "64-rows-whole-tiles-zero"])
 def test_bitcast_sums_score_bit_for_bit_like_converted_sums(length, masked, knobs, monkeypatch, seed):
     """``BITCAST_SUMS`` reads each int8 x int8 sum's bits as an fp32 denormal and scales it by the token's scale
     times 2^100 (kernels/forward.py, ``_tile_similarities``): negative sums become NaN, which the max drops, and a
     second, exact pass redoes a program whose documents leave a row without a non-negative similarity. Scores are
     bit for bit those of the converted sums, in runs of documents whose tiles straddle two documents or not, with
     the scales and mask loaded a tile ahead, queries quantised before the launch, TMA copies, both masked modes,
-    a document with no valid token and one against which a query token's every sum is negative."""
+    a document with no valid token and one against which a query token's every sum is negative; with 64-row tiles
+    and ``CHAINED_MAX`` (the tile max folded in a fixed chain, ``_tile_max_dropping_nan``) too."""
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
     dev = _device()
@@ -573,10 +577,13 @@ def test_bitcast_sums_score_bit_for_bit_like_converted_sums(length, masked, knob
     qm[0, 3] = True
     index = fm.quantize(docs.to(dev), dm.to(dev))
     q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
-    want, plan = _scores_with(monkeypatch, q, index, qm, masked, **_RUNS, **knobs)
+    knobs = {**_RUNS, **knobs}
+    want, plan = _scores_with(monkeypatch, q, index, qm, masked, **knobs)
     assert plan.meta["FLAT_RUN"] and not plan.meta["BITCAST_SUMS"]
-    got, plan = _scores_with(monkeypatch, q, index, qm, masked, BITCAST_SUMS=True, **_RUNS, **knobs)
-    assert plan.meta["BITCAST_SUMS"] and plan.meta["STRADDLE"] == (length == 70)
+    got, plan = _scores_with(monkeypatch, q, index, qm, masked, BITCAST_SUMS=True, **knobs)
+    assert plan.meta["BITCAST_SUMS"] and plan.meta["STRADDLE"] == (length % plan.meta["BLOCK_N"] != 0)
+    assert plan.meta["QPB"] * plan.meta["TOKB"] == knobs["ROWS"]
+    assert plan.meta.get("CHAINED_MAX", False) == knobs.get("CHAINED_MAX", False)
     assert torch.equal(got, want)
     ref = reference.maxsim(queries_as_scored(q, index).double(), index.dequantize(torch.float64), qm, dm.to(dev),
                            masked=masked)

@@ -247,14 +247,64 @@ def _tile_similarities(
 
 
 @triton.jit
+def _groups4(x):
+    """The 4 column groups of ``x`` ([rows, 8, 4]: group on the last axis) as 4 tensors [rows, 8]."""
+    lo, hi = tl.split(tl.reshape(x, (x.shape[0], 8, 2, 2)))     # groups {0, 2} and {1, 3}
+    v0, v2 = tl.split(lo)
+    v1, v3 = tl.split(hi)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _max_chain4(part, x):
+    """``part`` ([rows, 8]) folded with the 4 groups of ``x`` ([rows, 8, 4]) one after another (maxNum: drops NaN)."""
+    v0, v1, v2, v3 = _groups4(x)
+    return tl.maximum(tl.maximum(tl.maximum(tl.maximum(part, v0), v1), v2), v3)
+
+
+@triton.jit
+def _tile_max_dropping_nan(s, BLOCK_N: tl.constexpr):
+    """Each row's max over the tile ``s`` (maxNum: NaN dropped), the column groups 8g + {0..7}, g = 0, 1, ..., folded
+    one after another: one chain per row and column pair of a thread under every Triton. ``tl.max`` reduces within a
+    thread as a chain under Triton 3.6-3.7 and as a balanced tree from 3.8: the one difference found between the int8
+    compute-bound kernel's loops under 3.6 and 3.8+ (same instructions, other order), which run 5.5% apart (session
+    42, docs/perf-notes.md). The reshapes and splits move no data where a warp holds whole rows of the tile (the
+    tensor cores' accumulator layouts of 64 rows and more); under 64 rows, or for tiles of other widths, ``tl.max``."""
+    if s.shape[0] >= 64 and BLOCK_N >= 32 and BLOCK_N <= 128:
+        G: tl.constexpr = BLOCK_N // 8
+        parts = tl.permute(tl.reshape(s, (s.shape[0], G, 8)), (0, 2, 1))     # [rows, 8, G]: groups last
+        if G == 4:
+            v0, v1, v2, v3 = _groups4(parts)
+            part = tl.maximum(tl.maximum(tl.maximum(v0, v1), v2), v3)
+        elif G == 8:
+            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))
+            v0, v2, v4, v6 = _groups4(even)
+            part = tl.maximum(tl.maximum(tl.maximum(v0, v2), v4), v6)
+            part = _max_chain4(part, odd)
+        else:
+            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 8, 2)))
+            e0, e1 = tl.split(tl.reshape(even, (s.shape[0], 8, 4, 2)))
+            o0, o1 = tl.split(tl.reshape(odd, (s.shape[0], 8, 4, 2)))
+            v0, v4, v8, v12 = _groups4(e0)
+            part = tl.maximum(tl.maximum(tl.maximum(v0, v4), v8), v12)
+            part = _max_chain4(_max_chain4(_max_chain4(part, e1), o0), o1)
+        return tl.max(part, 1)
+    else:
+        return tl.max(s, 1)
+
+
+@triton.jit
 def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, SAVE_AUX: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DROP_NAN: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, DROP_NAN: tl.constexpr = False, CHAINED_MAX: tl.constexpr = False):
     """Folds a tile of similarities (tokens ``n0 + [0, BLOCK_N)``) into each row's running max, or running
     log-sum-exp (``m``, ``acc``), and first arg-max (``arg``, with ``SAVE_AUX``). ``DROP_NAN`` (hard max, bit-cast
-    sums): the max ignores NaN (the negative sums), as IEEE maxNum does, for the same one instruction."""
+    sums): the max ignores NaN (the negative sums), as IEEE maxNum does, for the same one instruction;
+    ``CHAINED_MAX`` (with ``DROP_NAN``): the tile's max folded in a fixed chain (``_tile_max_dropping_nan``)."""
     if DROP_NAN:
-        tile_max = tl.max(s, 1)
-        m = tl.maximum(m, tile_max)
+        if CHAINED_MAX:
+            m = tl.maximum(m, _tile_max_dropping_nan(s, BLOCK_N))
+        else:
+            m = tl.maximum(m, tl.max(s, 1))
         return m, acc, arg
     tile_max = tl.reduce(s, 1, _max_propagating_nan)
     if SMOOTH:
@@ -484,7 +534,7 @@ def _fold_run_tile(
     D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr, STRADDLE: tl.constexpr,
     sc_loaded, dm_loaded, PRELOADED: tl.constexpr, D_DESC, tma_row, TMA: tl.constexpr,
-    miss, bad, BITCAST_SUMS: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1,
+    miss, bad, BITCAST_SUMS: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1, CHAINED_MAX: tl.constexpr = False,
 ):
     """One tile ``n0 + [0, BLOCK_N)`` of a run of documents laid end to end (document ``tj`` ends at run offset
     ``doc_end``; documents hold at least BLOCK_N tokens, so a tile meets at most one end): its columns up to the
@@ -511,7 +561,8 @@ def _fold_run_tile(
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
         acc_next = acc
     elif in_one_doc:
-        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N, BITCAST_SUMS)
+        m, acc, arg = _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH, False, BLOCK_N, BITCAST_SUMS,
+                                         CHAINED_MAX)
         ends = in_doc == BLOCK_N
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
         acc_next = tl.zeros(acc.shape, dtype=tl.float32)
@@ -519,11 +570,11 @@ def _fold_run_tile(
         # both parts folded before the score is written
         first = (tl.arange(0, BLOCK_N) < in_doc)[None, :]
         m, acc, arg = _fold_similarities(m, acc, arg, tl.where(first, s, float("-inf")), n0, inv_tau_log2e,
-                                         SMOOTH, False, BLOCK_N, BITCAST_SUMS)
+                                         SMOOTH, False, BLOCK_N, BITCAST_SUMS, CHAINED_MAX)
         m_next, acc_next, arg = _fold_similarities(tl.full(m.shape, float("-inf"), dtype=tl.float32),
                                                    tl.zeros(acc.shape, dtype=tl.float32), arg,
                                                    tl.where(first, float("-inf"), s), n0, inv_tau_log2e,
-                                                   SMOOTH, False, BLOCK_N, BITCAST_SUMS)
+                                                   SMOOTH, False, BLOCK_N, BITCAST_SUMS, CHAINED_MAX)
         ends = True
     if ends:
         m_rows = _rows_max(m, ROW_PARTIALS, BITCAST_SUMS)
@@ -572,7 +623,7 @@ def _score_run(
     SMOOTH: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, QPB: tl.constexpr, TOKB: tl.constexpr,
     STRADDLE: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1,
+    LOOP_STAGES: tl.constexpr, ROW_PARTIALS: tl.constexpr = 1, CHAINED_MAX: tl.constexpr = False,
 ):
     """Scores the ``n_here`` documents of program group ``t`` (padded, end to end in memory, each at least one tile
     long) as one run of tokens, in tiles that may straddle two documents (``FLAT_RUN``). Tile i starts at token
@@ -621,7 +672,7 @@ def _score_run(
             stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
             False, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
             PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_tile, dm_tile, PREFETCH_TOKENS,
-            D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS, miss, bad, BITCAST_SUMS, ROW_PARTIALS)
+            D_DESC, (run_row + n0).to(tl.int32), TMA_DOCS, miss, bad, BITCAST_SUMS, ROW_PARTIALS, CHAINED_MAX)
     if STRADDLE and n_whole * BLOCK_N < run_len:
         n0 = (zero64 + n_whole) * BLOCK_N
         m, acc, arg, tj, doc_end, miss, bad = _fold_run_tile(
@@ -630,7 +681,7 @@ def _score_run(
             stride_dl, stride_dd, stride_dml, d, inv_tau_log2e, stride_os, stride_on, stride_oc,
             True, HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST,
             PRECISION, BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, sc_next, dm_next, False, D_DESC, 0, False,
-            miss, bad, BITCAST_SUMS)
+            miss, bad, BITCAST_SUMS, 1, CHAINED_MAX)
     return miss, bad
 
 
@@ -655,6 +706,7 @@ def maxsim_fwd_kernel(
     WHOLE_TILE_MASKS: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, Q_QUANTIZED: tl.constexpr,
     TMA_DOCS: tl.constexpr, BITCAST_SUMS: tl.constexpr = False, BITCAST_REDO: tl.constexpr = True,
     ROW_PARTIALS: tl.constexpr = 1, TAIL_N: tl.constexpr = 0, PEEL_EACH_DOC: tl.constexpr = False,
+    CHAINED_MAX: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = QPB * TOKB
     pid = tl.program_id(0).to(tl.int64)
@@ -742,7 +794,8 @@ def maxsim_fwd_kernel(
                 split, OUT, tau, stride_qd, stride_dt, stride_dl, stride_dd, stride_dmt, stride_dml, d,
                 inv_tau_log2e, stride_os, stride_on, stride_oc, D_DESC, miss,
                 HAS_SCALES, QUANTIZE_Q, HAS_DMASK, ZERO_MASKED, SMOOTH, BLOCK_D, D_CHUNKS, UPCAST, PRECISION,
-                BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, BITCAST_SUMS, None, ROW_PARTIALS)
+                BLOCK_N, EVEN_D, QPB, TOKB, STRADDLE, PREFETCH_TOKENS, TMA_DOCS, BITCAST_SUMS, None, ROW_PARTIALS,
+                CHAINED_MAX)
             if BITCAST_SUMS and BITCAST_REDO:
                 # what the bit-cast sums could not hold (in practice: a document with no valid token, whose rows
                 # stay at -inf): the program's documents again, with converted sums, overwriting their scores

@@ -146,7 +146,7 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                num_warps=4, num_stages=3 if d >= 128 and not save_aux else 2, DSPLIT=1, PEEL_TAIL=True,
                DOCS=1, PROGRAMS_PER_SM=0, WHOLE_TILE_MASKS=False, MAXNREG=0, PREFETCH_TOKENS=False,
                QUANTIZE_FIRST=False, TMA_DOCS=False, BITCAST_SUMS=False, ROW_PARTIALS=1, TAIL_N=0,
-               PEEL_EACH_DOC=False, TMA_ONE_DOC=False)
+               PEEL_EACH_DOC=False, TMA_ONE_DOC=False, CHAINED_MAX=False)
     if _on_cuda_cores(dtype):
         # 2 stages; and the default 4 warps (run 7/9 sweeps, PyLate-shaped 64x512 32x180: 4 warps 2.50 ms vs
         # 8 warps 4.1; 1x20k 4.2 vs 4.5), without the 256-row tiles below
@@ -522,6 +522,11 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if (tail_n and cfg["PEEL_TAIL"] and (docs == 1 or each_peeled) and 16 <= tail_n < cfg["BLOCK_N"]
             and cfg["BLOCK_N"] % tail_n == 0 and (max_len % cfg["BLOCK_N"] != 0 or offsets is not None)):
         plan.meta["TAIL_N"] = tail_n
+    # the bit-cast sums' tile max folded in a fixed chain under every Triton (kernels/forward.py,
+    # _tile_max_dropping_nan), not in tl.max's order (a tree from Triton 3.8); an option, not yet timed on a GPU
+    # (docs/perf-notes.md, session 42), passed only when taken
+    if cfg["CHAINED_MAX"] and plan.meta["BITCAST_SUMS"]:
+        plan.meta["CHAINED_MAX"] = True
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
     if token_rows:
