@@ -159,6 +159,9 @@ CASES = [
     # 4 partial row maxima over column pairs (an option, session 18): no more registers than one max per row
     Case("int8 1x4k 1024x1024 partial maxima over pairs", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                    None, None), forward_overrides={"ROW_PARTIALS": 4}),
+    # the bit-cast sums' tile max folded in a fixed chain (an option, session 42: tl.max is a tree from Triton 3.8)
+    Case("int8 1x4k 1024x1024 chained tile max", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
+         forward_overrides={"CHAINED_MAX": True}),
     # the same grid with the sums converted (the default before session 16, here on the same 2 stages), and the
     # bit-cast sums where they are an option
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
