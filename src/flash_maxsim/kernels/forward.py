@@ -256,6 +256,13 @@ def _groups4(x):
 
 
 @triton.jit
+def _chain4(x):
+    """The 4 groups of ``x`` ([rows, 8, 4]) folded into one [rows, 8] one after another (maxNum: drops NaN)."""
+    v0, v1, v2, v3 = _groups4(x)
+    return tl.maximum(tl.maximum(tl.maximum(v0, v1), v2), v3)
+
+
+@triton.jit
 def _max_chain4(part, x):
     """``part`` ([rows, 8]) folded with the 4 groups of ``x`` ([rows, 8, 4]) one after another (maxNum: drops NaN)."""
     v0, v1, v2, v3 = _groups4(x)
@@ -274,20 +281,15 @@ def _tile_max_dropping_nan(s, BLOCK_N: tl.constexpr):
         G: tl.constexpr = BLOCK_N // 8
         parts = tl.permute(tl.reshape(s, (s.shape[0], G, 8)), (0, 2, 1))     # [rows, 8, G]: groups last
         if G == 4:
-            v0, v1, v2, v3 = _groups4(parts)
-            part = tl.maximum(tl.maximum(tl.maximum(v0, v1), v2), v3)
+            part = _chain4(parts)
         elif G == 8:
-            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))
-            v0, v2, v4, v6 = _groups4(even)
-            part = tl.maximum(tl.maximum(tl.maximum(v0, v2), v4), v6)
-            part = _max_chain4(part, odd)
+            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))       # groups 2k and 2k + 1
+            part = _max_chain4(_chain4(even), odd)
         else:
             even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 8, 2)))
-            e0, e1 = tl.split(tl.reshape(even, (s.shape[0], 8, 4, 2)))
-            o0, o1 = tl.split(tl.reshape(odd, (s.shape[0], 8, 4, 2)))
-            v0, v4, v8, v12 = _groups4(e0)
-            part = tl.maximum(tl.maximum(tl.maximum(v0, v4), v8), v12)
-            part = _max_chain4(_max_chain4(_max_chain4(part, e1), o0), o1)
+            e0, e1 = tl.split(tl.reshape(even, (s.shape[0], 8, 4, 2)))           # groups 4k, 4k + 2
+            o0, o1 = tl.split(tl.reshape(odd, (s.shape[0], 8, 4, 2)))            # groups 4k + 1, 4k + 3
+            part = _max_chain4(_max_chain4(_max_chain4(_chain4(e0), e1), o0), o1)
         return tl.max(part, 1)
     else:
         return tl.max(s, 1)
@@ -391,18 +393,12 @@ def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
         m, arg = _arg_step(m, arg, v0, idx)
         m, arg = _arg_step(m, arg, v1, idx + 8)
     elif G == 4:
-        lo, hi = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2)))     # g = 2 * b1 + b0: lo holds b0 = 0
-        v0, v2 = tl.split(lo)
-        v1, v3 = tl.split(hi)
+        v0, v1, v2, v3 = _groups4(parts)
         m, arg = _arg_steps4(m, arg, v0, v1, v2, v3, idx)
     else:
-        even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 2, 2, 2)))   # g = 4 * b2 + 2 * b1 + b0
-        e0, e1 = tl.split(even)          # b1 = 0 / 1, b0 = 0
-        o0, o1 = tl.split(odd)           # b1 = 0 / 1, b0 = 1
-        v0, v4 = tl.split(e0)
-        v2, v6 = tl.split(e1)
-        v1, v5 = tl.split(o0)
-        v3, v7 = tl.split(o1)
+        even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))       # groups 2k and 2k + 1
+        v0, v2, v4, v6 = _groups4(even)
+        v1, v3, v5, v7 = _groups4(odd)
         m, arg = _arg_steps4(m, arg, v0, v1, v2, v3, idx)
         m, arg = _arg_steps4(m, arg, v4, v5, v6, v7, idx + 32)
     return m, arg
