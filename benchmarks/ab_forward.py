@@ -238,8 +238,9 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             _token_rows(3, block_n=128, tma=True, stages=4),
             # 140: the tile kernel on the streaming rows (the default before session 28)
             {"TOKEN_ROWS": False},
-            # 141 (session 42): the bit-cast sums' tile max folded in a fixed chain (kernels/forward.py,
-            # _tile_max_dropping_nan): Triton 3.8+ lowers tl.max within a thread as a tree, 3.6 as a chain
+            # 141 (session 42; session 43 also fp8's 8 partial maxima per row): the hard max's tile max folded in a
+            # fixed chain (kernels/forward.py, _column_chains): Triton 3.8+ lowers tl.max / tl.reduce within a
+            # thread as a tree, 3.6 as a chain
             {"CHAINED_MAX": True}]
 
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's

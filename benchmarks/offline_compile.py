@@ -189,6 +189,10 @@ CASES = [
          forward_overrides={"TOKEN_ROWS": False}),
     Case("fp8 1x4k 1024x1024 (runs of documents by TMA)",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89),
+    # its 8 partial maxima per row folded in a fixed chain (an option, session 43: tl.reduce is a tree from Triton 3.8)
+    Case("fp8 1x4k 1024x1024 chained tile max",
+         lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89,
+         forward_overrides={"CHAINED_MAX": True}),
     Case("fp8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
          min_arch=89, forward_overrides={"FP8_PRODUCTS": False}),
     # training: forward saving what the backward needs, then dQ and dD

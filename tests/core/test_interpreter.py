@@ -11,7 +11,7 @@ import triton.language as tl
 import flash_maxsim
 from flash_maxsim import _layout, reference
 from flash_maxsim.kernels import launch
-from flash_maxsim.kernels.forward import _tile_max_dropping_nan
+from flash_maxsim.kernels.forward import _fold_row_partials, _tile_max_dropping_nan
 from flash_maxsim.ops import force_backend
 
 from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, expected_scores_and_grads,
@@ -420,3 +420,46 @@ def test_tile_max_dropping_nan_folds_every_column(rows, block_n, seed):
     want = torch.where(s.isnan(), float("-inf"), s).amax(1)
     want[s.isnan().all(1)] = float("nan")
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@triton.jit
+def _row_partials_kernel(S, M, OUT, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DROP_NAN: tl.constexpr,
+                         CHAINED_MAX: tl.constexpr):
+    """``_fold_row_partials`` (8 partials) of the [ROWS, BLOCK_N] tile ``S`` into the running partials ``M``
+    ([ROWS, 8]), written to ``OUT``."""
+    r = tl.arange(0, ROWS)
+    w = tl.arange(0, 8)
+    s = tl.load(S + r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    m = tl.load(M + r[:, None] * 8 + w[None, :])
+    tl.store(OUT + r[:, None] * 8 + w[None, :], _fold_row_partials(m, s, BLOCK_N, 8, DROP_NAN, CHAINED_MAX))
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "tl.reduce"])
+@pytest.mark.parametrize("drop_nan", [True, False], ids=["maxNum", "nan-propagating"])
+@pytest.mark.parametrize("rows, block_n", [(64, 32), (64, 64), (128, 128), (32, 64)],
+                         ids=["64x32", "64x64", "128x128", "32x64"])
+def test_row_partials_fold_their_columns(rows, block_n, drop_nan, chained, seed):
+    """The 8 partial maxima per row (``_fold_row_partials``: partial w over the columns 8g + w, folded into the
+    running ones), chained (``CHAINED_MAX``: a fixed chain where it fits, 64 rows and more) or not: every column
+    position holds some row's maximum of its partial; NaN entries are dropped (maxNum, the bit-cast sums) or
+    propagate (the fp8 grid's max: a running partial of NaN stays NaN); a row of NaN stays NaN under either."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(rows, block_n, generator=g)
+    at = torch.randperm(rows, generator=g) % block_n
+    s[torch.arange(rows), at] = 2.0 + torch.rand(rows, generator=g)
+    s[torch.rand(rows, block_n, generator=g) < 0.05] = float("nan")
+    s[1] = float("nan")
+    m = torch.rand(rows, 8, generator=g) * 2.5
+    m[1] = m[3, 5] = float("nan")
+    s, m = s.to(DEVICE), m.to(DEVICE)
+    out = torch.empty(rows, 8, device=DEVICE)
+    _row_partials_kernel[(1,)](s, m, out, rows, block_n, drop_nan, chained)
+    both = torch.cat([m[:, :, None], s.reshape(rows, block_n // 8, 8).transpose(1, 2)], 2)   # [rows, 8, 1 + G]
+    if drop_nan:
+        want = torch.where(both.isnan(), float("-inf"), both).amax(2)
+        want[both.isnan().all(2)] = float("nan")
+    else:
+        want = both.amax(2)        # torch's max propagates NaN
+    assert want.isnan().any() and not want.isnan().all()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+

@@ -590,6 +590,36 @@ def test_bitcast_sums_score_bit_for_bit_like_converted_sums(length, masked, knob
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")      # the interpreter's max over the NaN of negative sums
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("kind", KINDS)
+def test_chained_row_partials_score_bit_for_bit(kind, block_n, monkeypatch, seed):
+    """8 partial maxima per row over runs of documents of whole tiles (fp8's compute-bound grid; int8's bit-cast
+    sums, where they are an option), folded in a fixed chain (``CHAINED_MAX``: kernels/forward.py,
+    ``_column_chains``) or by ``tl.reduce``: bit for bit the same scores, those of the float64 MaxSim, with 64-row
+    tiles of 64 or 128 tokens, masks, and a document with no valid token."""
+    _skip_without_kernels_for(kind)
+    dev = _device()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 40, 64, generator=g)
+    docs = torch.randn(5, 2 * block_n, 64, generator=g)
+    dm = torch.rand(5, 2 * block_n, generator=g) > 0.3
+    dm[3] = False
+    qm = torch.rand(2, 40, generator=g) > 0.2
+    index = fm.quantize(docs.to(dev), dm.to(dev), dtype=kind)
+    q, qm = q.to(dev, torch.bfloat16), qm.to(dev)
+    knobs = {**_RUNS, "ROWS": 64, "BLOCK_N": block_n, "ROW_PARTIALS": 8}
+    if kind == "int8":
+        knobs["BITCAST_SUMS"] = True
+    want, plan = _scores_with(monkeypatch, q, index, qm, **knobs)
+    assert plan.meta["FLAT_RUN"] and plan.meta["ROW_PARTIALS"] == 8 and "CHAINED_MAX" not in plan.meta
+    assert plan.meta["BITCAST_SUMS"] == (kind == "int8")
+    got, plan = _scores_with(monkeypatch, q, index, qm, CHAINED_MAX=True, **knobs)
+    assert plan.meta["ROW_PARTIALS"] == 8 and plan.meta["CHAINED_MAX"]
+    assert torch.equal(got, want)
+    _assert_scores_match(got, q, index, qm, dm.to(dev))
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice", "ignore:overflow encountered")
 def test_bitcast_sums_redo_what_they_cannot_hold(monkeypatch):
     """Scales outside the range where the bit-cast product is exact (a token of huge values, a token of tiny ones,

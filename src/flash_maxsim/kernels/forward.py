@@ -256,41 +256,60 @@ def _groups4(x):
 
 
 @triton.jit
-def _chain4(x):
-    """The 4 groups of ``x`` ([rows, 8, 4]) folded into one [rows, 8] one after another (maxNum: drops NaN)."""
-    v0, v1, v2, v3 = _groups4(x)
-    return tl.maximum(tl.maximum(tl.maximum(v0, v1), v2), v3)
+def _max2(a, b, PROPAGATE_NAN: tl.constexpr):
+    """max(a, b): NaN propagating, or maxNum (NaN dropped); one instruction either way."""
+    if PROPAGATE_NAN:
+        return _max_propagating_nan(a, b)
+    else:
+        return tl.maximum(a, b)
 
 
 @triton.jit
-def _max_chain4(part, x):
-    """``part`` ([rows, 8]) folded with the 4 groups of ``x`` ([rows, 8, 4]) one after another (maxNum: drops NaN)."""
+def _chain4(x, PROPAGATE_NAN: tl.constexpr = False):
+    """The 4 groups of ``x`` ([rows, 8, 4]) folded into one [rows, 8] one after another."""
     v0, v1, v2, v3 = _groups4(x)
-    return tl.maximum(tl.maximum(tl.maximum(tl.maximum(part, v0), v1), v2), v3)
+    return _max2(_max2(_max2(v0, v1, PROPAGATE_NAN), v2, PROPAGATE_NAN), v3, PROPAGATE_NAN)
+
+
+@triton.jit
+def _max_chain4(part, x, PROPAGATE_NAN: tl.constexpr = False):
+    """``part`` ([rows, 8]) folded with the 4 groups of ``x`` ([rows, 8, 4]) one after another."""
+    v0, v1, v2, v3 = _groups4(x)
+    return _max2(_max2(_max2(_max2(part, v0, PROPAGATE_NAN), v1, PROPAGATE_NAN), v2, PROPAGATE_NAN), v3,
+                 PROPAGATE_NAN)
+
+
+@triton.jit
+def _column_chains(s, BLOCK_N: tl.constexpr, PROPAGATE_NAN: tl.constexpr):
+    """The tile ``s``'s 8 partial maxima per row ([rows, 8]; partial w over the columns 8g + w), its column groups
+    g = 0, 1, ... folded one after another: one chain per row and column pair of a thread under every Triton.
+    ``tl.max`` / ``tl.reduce`` reduce within a thread as a chain under Triton 3.6-3.7 and as a balanced tree from
+    3.8: the one difference found between the int8 compute-bound kernel's loops under 3.6 and 3.8+ (same
+    instructions, other order), which run 5.5% apart (session 42, docs/perf-notes.md). The reshapes and splits move
+    no data where a warp holds whole rows of the tile (the tensor cores' accumulator layouts of 64 rows and more);
+    callers take it for tiles of 64 rows and more and 32 to 128 columns only."""
+    G: tl.constexpr = BLOCK_N // 8
+    parts = tl.permute(tl.reshape(s, (s.shape[0], G, 8)), (0, 2, 1))     # [rows, 8, G]: groups last
+    if G == 4:
+        part = _chain4(parts, PROPAGATE_NAN)
+    elif G == 8:
+        even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))       # groups 2k and 2k + 1
+        part = _max_chain4(_chain4(even, PROPAGATE_NAN), odd, PROPAGATE_NAN)
+    else:
+        even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 8, 2)))
+        e0, e1 = tl.split(tl.reshape(even, (s.shape[0], 8, 4, 2)))           # groups 4k, 4k + 2
+        o0, o1 = tl.split(tl.reshape(odd, (s.shape[0], 8, 4, 2)))            # groups 4k + 1, 4k + 3
+        part = _max_chain4(_max_chain4(_max_chain4(_chain4(e0, PROPAGATE_NAN), e1, PROPAGATE_NAN), o0,
+                                       PROPAGATE_NAN), o1, PROPAGATE_NAN)
+    return part
 
 
 @triton.jit
 def _tile_max_dropping_nan(s, BLOCK_N: tl.constexpr):
-    """Each row's max over the tile ``s`` (maxNum: NaN dropped), the column groups 8g + {0..7}, g = 0, 1, ..., folded
-    one after another: one chain per row and column pair of a thread under every Triton. ``tl.max`` reduces within a
-    thread as a chain under Triton 3.6-3.7 and as a balanced tree from 3.8: the one difference found between the int8
-    compute-bound kernel's loops under 3.6 and 3.8+ (same instructions, other order), which run 5.5% apart (session
-    42, docs/perf-notes.md). The reshapes and splits move no data where a warp holds whole rows of the tile (the
-    tensor cores' accumulator layouts of 64 rows and more); under 64 rows, or for tiles of other widths, ``tl.max``."""
+    """Each row's max over the tile ``s`` (maxNum: NaN dropped) from its chained partial maxima
+    (``_column_chains``) on tiles of 64 rows and more and 32 to 128 columns; otherwise ``tl.max``."""
     if s.shape[0] >= 64 and BLOCK_N >= 32 and BLOCK_N <= 128:
-        G: tl.constexpr = BLOCK_N // 8
-        parts = tl.permute(tl.reshape(s, (s.shape[0], G, 8)), (0, 2, 1))     # [rows, 8, G]: groups last
-        if G == 4:
-            part = _chain4(parts)
-        elif G == 8:
-            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 4, 2)))       # groups 2k and 2k + 1
-            part = _max_chain4(_chain4(even), odd)
-        else:
-            even, odd = tl.split(tl.reshape(parts, (s.shape[0], 8, 8, 2)))
-            e0, e1 = tl.split(tl.reshape(even, (s.shape[0], 8, 4, 2)))           # groups 4k, 4k + 2
-            o0, o1 = tl.split(tl.reshape(odd, (s.shape[0], 8, 4, 2)))            # groups 4k + 1, 4k + 3
-            part = _max_chain4(_max_chain4(_max_chain4(_chain4(e0), e1), o0), o1)
-        return tl.max(part, 1)
+        return tl.max(_column_chains(s, BLOCK_N, False), 1)
     else:
         return tl.max(s, 1)
 
@@ -329,7 +348,8 @@ def _fold_similarities(m, acc, arg, s, n0, inv_tau_log2e, SMOOTH: tl.constexpr, 
 
 
 @triton.jit
-def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr):
+def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, DROP_NAN: tl.constexpr,
+                       CHAINED_MAX: tl.constexpr = False):
     """The hard max (no arg-max) with ``ROW_PARTIALS`` partial maxima per row in ``m`` ([rows, ROW_PARTIALS]):
     partial w is the max over the columns j = ROW_PARTIALS * g + w of the tiles folded so far. With 8, a thread of
     the tensor cores' accumulator layout holds two adjacent columns of every 8, so where a warp holds whole rows of
@@ -338,8 +358,11 @@ def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, 
     tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
     through shared memory: slower, not used there. With 4, partial w is over the column pairs 8g + 2w + {0, 1}: one
     partial per thread of a quad, so no more registers than one max per row (the 8 partials spill at the int8
-    compute-bound grid's register cap); an option, not measured yet."""
-    if ROW_PARTIALS == 4:
+    compute-bound grid's register cap); an option, not measured yet. ``CHAINED_MAX`` (8 partials, 64 rows and more,
+    32 to 128 columns): the tile's partials folded in a fixed chain (``_column_chains``)."""
+    if ROW_PARTIALS == 8 and CHAINED_MAX and s.shape[0] >= 64 and BLOCK_N >= 32 and BLOCK_N <= 128:
+        m = _max2(m, _column_chains(s, BLOCK_N, not DROP_NAN), not DROP_NAN)
+    elif ROW_PARTIALS == 4:
         pairs = tl.reshape(s, (s.shape[0], BLOCK_N // 8, 4, 2))
         if DROP_NAN:
             m = tl.maximum(m, tl.max(tl.max(pairs, 3), 1))
@@ -552,7 +575,7 @@ def _fold_run_tile(
     if ROW_PARTIALS > 1:
         # partial maxima per row (_fold_row_partials): documents of whole tiles only
         tl.static_assert(not STRADDLE and not SMOOTH)
-        m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, BITCAST_SUMS)
+        m = _fold_row_partials(m, s, BLOCK_N, ROW_PARTIALS, BITCAST_SUMS, CHAINED_MAX)
         ends = in_doc == BLOCK_N
         m_next = tl.full(m.shape, float("-inf"), dtype=tl.float32)
         acc_next = acc

@@ -522,10 +522,12 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     if (tail_n and cfg["PEEL_TAIL"] and (docs == 1 or each_peeled) and 16 <= tail_n < cfg["BLOCK_N"]
             and cfg["BLOCK_N"] % tail_n == 0 and (max_len % cfg["BLOCK_N"] != 0 or offsets is not None)):
         plan.meta["TAIL_N"] = tail_n
-    # the bit-cast sums' tile max folded in a fixed chain under every Triton (kernels/forward.py,
-    # _tile_max_dropping_nan), not in tl.max's order (a tree from Triton 3.8); an option, not yet timed on a GPU
-    # (docs/perf-notes.md, session 42), passed only when taken
-    if cfg["CHAINED_MAX"] and plan.meta["BITCAST_SUMS"]:
+    # the hard max's tile max (the bit-cast sums' one max per row, or 8 partial maxima per row) folded in a fixed
+    # chain under every Triton (kernels/forward.py, _column_chains), not in tl.max's order (a tree from Triton 3.8),
+    # over runs of documents; an option, not yet timed on a GPU (docs/perf-notes.md, sessions 42-43), passed only
+    # when taken
+    if cfg["CHAINED_MAX"] and flat_run and not save_aux and (plan.meta["BITCAST_SUMS"]
+                                                             or plan.meta["ROW_PARTIALS"] == 8):
         plan.meta["CHAINED_MAX"] = True
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
