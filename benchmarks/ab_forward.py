@@ -241,7 +241,10 @@ VARIANTS = [{}, {"FLAT_RUN": False}, {"MAXNREG": 168}, {"MAXNREG": 168, "PROGRAM
             # 141 (session 42; session 43 also fp8's 8 partial maxima per row): the hard max's tile max folded in a
             # fixed chain (kernels/forward.py, _column_chains): Triton 3.8+ lowers tl.max / tl.reduce within a
             # thread as a tree, 3.6 as a chain
-            {"CHAINED_MAX": True}]
+            {"CHAINED_MAX": True},
+            # 142 (session 43): without it (the defaults before session 43: int8's bit-cast sums, and fp8's
+            # compute-bound grid under Triton 3.8+, take it since)
+            {"CHAINED_MAX": False}]
 
 # (variants timed and dropped with their kernel code: session 12's L2 prefetch of the run's scales, session 13's
 # document tiles loaded under a gate on their scales; docs/perf-notes.md)

@@ -159,9 +159,10 @@ CASES = [
     # 4 partial row maxima over column pairs (an option, session 18): no more registers than one max per row
     Case("int8 1x4k 1024x1024 partial maxima over pairs", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                    None, None), forward_overrides={"ROW_PARTIALS": 4}),
-    # the bit-cast sums' tile max folded in a fixed chain (an option, session 42: tl.max is a tree from Triton 3.8)
-    Case("int8 1x4k 1024x1024 chained tile max", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
-         forward_overrides={"CHAINED_MAX": True}),
+    # the bit-cast sums' tile max by tl.max (a tree from Triton 3.8), not folded in a fixed chain (the default since
+    # session 43)
+    Case("int8 1x4k 1024x1024 tile max by tl.max", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None,
+                                                            None), forward_overrides={"CHAINED_MAX": False}),
     # the same grid with the sums converted (the default before session 16, here on the same 2 stages), and the
     # bit-cast sums where they are an option
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
@@ -189,10 +190,11 @@ CASES = [
          forward_overrides={"TOKEN_ROWS": False}),
     Case("fp8 1x4k 1024x1024 (runs of documents by TMA)",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89),
-    # its 8 partial maxima per row folded in a fixed chain (an option, session 43: tl.reduce is a tree from Triton 3.8)
-    Case("fp8 1x4k 1024x1024 chained tile max",
+    # its 8 partial maxima per row by tl.reduce (a tree from Triton 3.8), not folded in a fixed chain (the default
+    # from Triton 3.8 since session 43)
+    Case("fp8 1x4k 1024x1024 partial maxima by tl.reduce",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89,
-         forward_overrides={"CHAINED_MAX": True}),
+         forward_overrides={"CHAINED_MAX": False}),
     Case("fp8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128, kind="fp8"), None, None),
          min_arch=89, forward_overrides={"FP8_PRODUCTS": False}),
     # training: forward saving what the backward needs, then dQ and dD
@@ -421,7 +423,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
 
 _SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",
                "SAVE_AUX", "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL",
-               "MULTI_DOC", "ROW_PARTIALS", "TAIL_N", "PEEL_EACH_DOC")
+               "MULTI_DOC", "ROW_PARTIALS", "TAIL_N", "PEEL_EACH_DOC", "CHAINED_MAX")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:

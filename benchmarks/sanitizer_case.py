@@ -250,6 +250,18 @@ def main():
             check("fp8 grouped, whole tiles", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
                                    None, whole_mask), 1e-3)
+            # the compute-bound grid's 8 partial maxima per row (fp8's default there) and the int8 bit-cast sums'
+            # tile max, each folded in a fixed chain (CHAINED_MAX, sessions 42-43)
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                                   MAXNREG=168, TMA_DOCS=True, ROW_PARTIALS=8, CHAINED_MAX=True):
+                got = fm.maxsim(long_q, fp8_whole, long_qm)
+            check("fp8 compute-bound grid, chained partial maxima", got,
+                  reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),
+                                   long_qm, whole_mask), 1e-3)
+            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                                   MAXNREG=168, TMA_DOCS=True, BITCAST_SUMS=True, CHAINED_MAX=True):
+                got = fm.maxsim(long_q, whole, long_qm)
+            check("int8 compute-bound grid, bit-cast sums, chained tile max", got, compute_whole.double(), 0.0)
             # the streaming grid's one-warp programs with uncapped registers (the fp8 default there): runs whose
             # tiles straddle 300-token documents
             fp8_runs = fm.quantize(index.dequantize(bf), dtype="fp8")

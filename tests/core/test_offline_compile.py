@@ -127,6 +127,9 @@ def test_fp8_index_uses_fp8_tensor_cores_where_hopper_has_them(hopper):
     compute = _by_case(rows, "fp8 1x4k 1024x1024 (runs of documents by TMA)")
     assert compute["meta"]["QUANTIZE_Q"] and compute["meta"]["Q_QUANTIZED"] and compute["meta"]["TMA_DOCS"]
     assert not compute["meta"]["BITCAST_SUMS"]          # fp32 sums already: nothing to bit-cast
+    # its 8 partial maxima per row folded in a fixed chain where tl.reduce would fold them as a tree (Triton >= 3.8)
+    assert compute["meta"]["ROW_PARTIALS"] == 8
+    assert compute["meta"].get("CHAINED_MAX", False) == launch.REDUCE_IS_A_TREE
     assert set(compute["mma"]) == {"wgmma e4m3"} and compute["local_bytes"] == 0
     for case in ("fp8 1x500 32x300", "fp8 1x3k 32x300 tile kernel (runs of documents)"):
         row = _by_case(rows, case)
@@ -146,7 +149,8 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     converted = _by_case(rows, "int8 1x4k 1024x1024 converted sums")
     bitcast = _by_case(rows, "int8 1x4k 1024x1024 (runs of documents by TMA)")
     assert bitcast["meta"]["BITCAST_SUMS"] and bitcast["meta"]["Q_QUANTIZED"] and bitcast["meta"]["TMA_DOCS"]
-    assert not converted["meta"]["BITCAST_SUMS"]
+    assert bitcast["meta"]["CHAINED_MAX"]               # its tile max folded in a fixed chain (session 43)
+    assert not converted["meta"]["BITCAST_SUMS"] and "CHAINED_MAX" not in converted["meta"]
     # the longest loop issuing tensor-core products: the loop over document tiles
     before = next(loop for loop in converted["loops"] if any(op.startswith("IGMMA") for op in loop["ops"]))
     conversions = sum(n for op, n in before["ops"].items() if op.startswith("I2F"))

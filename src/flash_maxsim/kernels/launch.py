@@ -101,6 +101,10 @@ def _triton_at_least(version: str, major: int, minor: int) -> bool:
 # capped at 64 it spills 56 stack bytes, with local loads in every tile): 6 programs per SM, uncapped, there
 TOKEN_ROWS_INT8_NEEDS_75_REGISTERS = _triton_at_least(triton.__version__, 3, 9)
 
+# From Triton 3.8 tl.reduce / tl.max reduce a thread's values as a balanced tree (3.6-3.7: a chain); the fp8
+# compute-bound grid's 8 partial maxima per row folded in a fixed chain (CHAINED_MAX) are faster there (session 43)
+REDUCE_IS_A_TREE = _triton_at_least(triton.__version__, 3, 8)
+
 
 def _row_tiling(Nq, Lq, paired, rows):
     tokb = min(max(16, _pow2(Lq)), rows)
@@ -173,14 +177,21 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                 if products == "fp8":
                     # partial maxima per row across a document's tiles (kernels/forward.py, _fold_row_partials:
                     # session 18, device call 2, ab_forward: 1x10k 1024x1024 2.652 vs 2.743 ms). Not int8's bit-cast
-                    # sums at this grid's 168-register cap: a spill in the loop, 2.640 vs 2.527 (call 1)
-                    cfg["ROW_PARTIALS"] = 8
+                    # sums at this grid's 168-register cap: a spill in the loop, 2.640 vs 2.527 (call 1).
+                    # From Triton 3.8, folded in a fixed chain (_column_chains; session 43, H100, ab_forward, 3, 7
+                    # and 7 interleaved rounds under Triton 3.9: 2.557 / 2.641 / 2.629 vs 2.668 / 2.695 / 2.720 ms).
+                    # Under 3.6, where tl.reduce already folds them in that order, 2.640 / 2.683 vs 2.653 / 2.633:
+                    # no gain
+                    cfg.update(ROW_PARTIALS=8, CHAINED_MAX=REDUCE_IS_A_TREE)
                 if max_len % 128 == 0 and products == "int8":
                     # documents of whole tiles: the int32 sums read as fp32 bits, not converted, on 2 stages
                     # (session 16, device call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms; 3 stages 2.530,
                     # 4 stages 2.765). Straddling runs keep the conversion (offline sm_90: 1520 vs 1415
                     # instructions per tile, with spills)
-                    cfg.update(BITCAST_SUMS=True, num_stages=2)
+                    # Their tile max folded in a fixed chain (_tile_max_dropping_nan; session 43, H100, ab_forward,
+                    # 5, 7 and 7 interleaved rounds: Triton 3.6 2.511 / 2.509 / 2.523 vs 2.558 / 2.566 / 2.601 ms;
+                    # Triton 3.9 2.653 / 2.657 / 2.678 vs 2.646 / 2.664 / 2.702, within 1%)
+                    cfg.update(BITCAST_SUMS=True, num_stages=2, CHAINED_MAX=True)
             else:
                 # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
@@ -524,10 +535,9 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
         plan.meta["TAIL_N"] = tail_n
     # the hard max's tile max (the bit-cast sums' one max per row, or 8 partial maxima per row) folded in a fixed
     # chain under every Triton (kernels/forward.py, _column_chains), not in tl.max's order (a tree from Triton 3.8),
-    # over runs of documents; an option, not yet timed on a GPU (docs/perf-notes.md, sessions 42-43), passed only
-    # when taken
-    if cfg["CHAINED_MAX"] and flat_run and not save_aux and (plan.meta["BITCAST_SUMS"]
-                                                             or plan.meta["ROW_PARTIALS"] == 8):
+    # over runs of documents (the int8 and fp8 compute-bound grids' defaults above); passed only when taken
+    folds = plan.meta["ROW_PARTIALS"] == 8 or (plan.meta["BITCAST_SUMS"] and plan.meta["ROW_PARTIALS"] == 1)
+    if cfg["CHAINED_MAX"] and flat_run and not save_aux and folds:
         plan.meta["CHAINED_MAX"] = True
     if cfg["MAXNREG"]:
         plan.meta["maxnreg"] = cfg["MAXNREG"]
