@@ -358,8 +358,9 @@ def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, 
     tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
     through shared memory: slower, not used there. With 4, partial w is over the column pairs 8g + 2w + {0, 1}: one
     partial per thread of a quad, so no more registers than one max per row (the 8 partials spill at the int8
-    compute-bound grid's register cap); an option, not measured yet. ``CHAINED_MAX`` (8 partials, 64 rows and more,
-    32 to 128 columns): the tile's partials folded in a fixed chain (``_column_chains``)."""
+    compute-bound grid's register cap); an option (session 20: 0.996 of the default's time, not adopted).
+    ``CHAINED_MAX`` (8 partials, 64 rows and more, 32 to 128 columns): the tile's partials folded in a fixed chain
+    (``_column_chains``)."""
     if ROW_PARTIALS == 8 and CHAINED_MAX and s.shape[0] >= 64 and BLOCK_N >= 32 and BLOCK_N <= 128:
         m = _max2(m, _column_chains(s, BLOCK_N, not DROP_NAN), not DROP_NAN)
     elif ROW_PARTIALS == 4:
