@@ -213,8 +213,9 @@ def main():
         # 128-token tiles (whole, masked, copied by TMA; and straddling documents) with scales and mask loaded a
         # tile ahead, 168 registers
         long_q, long_qm = torch.randn(2, 200, 128, device=dev, dtype=bf), torch.rand(2, 200, device=dev) > 0.2
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                               MAXNREG=168, TMA_DOCS=True):
+        compute_grid = dict(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
+                            MAXNREG=168, TMA_DOCS=True)
+        with forward_overrides(**compute_grid):
             compute_whole, compute_straddling = fm.maxsim(long_q, whole, long_qm), fm.maxsim(long_q, index, long_qm)
         check("int8 compute-bound grid, whole tiles", compute_whole,
               reference.maxsim(queries_as_scored(long_q, whole).double(), whole.dequantize(torch.float64), long_qm,
@@ -229,10 +230,13 @@ def main():
         neg_q = long_q.clone()
         neg_q[0, 7] = neg_q[0, 7].abs()
         neg_index = fm.quantize(negative)
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                               MAXNREG=168, TMA_DOCS=True, BITCAST_SUMS=True):
+        with forward_overrides(**compute_grid, BITCAST_SUMS=True):
             bitcast_whole, bitcast_redo = fm.maxsim(long_q, whole, long_qm), fm.maxsim(neg_q, neg_index, long_qm)
+        # and their tile max folded in a fixed chain (CHAINED_MAX, sessions 42-43)
+        with forward_overrides(**compute_grid, BITCAST_SUMS=True, CHAINED_MAX=True):
+            chained_whole = fm.maxsim(long_q, whole, long_qm)
         check("int8 compute-bound grid, bit-cast sums", bitcast_whole, compute_whole.double(), 0.0)
+        check("int8 compute-bound grid, bit-cast sums, chained tile max", chained_whole, compute_whole.double(), 0.0)
         check("int8 compute-bound grid, bit-cast sums redone", bitcast_redo,
               reference.maxsim(queries_as_scored(neg_q, neg_index).double(), neg_index.dequantize(torch.float64),
                                long_qm), 1e-5)
@@ -250,18 +254,6 @@ def main():
             check("fp8 grouped, whole tiles", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
                                    None, whole_mask), 1e-3)
-            # the compute-bound grid's 8 partial maxima per row (fp8's default there) and the int8 bit-cast sums'
-            # tile max, each folded in a fixed chain (CHAINED_MAX, sessions 42-43)
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                                   MAXNREG=168, TMA_DOCS=True, ROW_PARTIALS=8, CHAINED_MAX=True):
-                got = fm.maxsim(long_q, fp8_whole, long_qm)
-            check("fp8 compute-bound grid, chained partial maxima", got,
-                  reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),
-                                   long_qm, whole_mask), 1e-3)
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                                   MAXNREG=168, TMA_DOCS=True, BITCAST_SUMS=True, CHAINED_MAX=True):
-                got = fm.maxsim(long_q, whole, long_qm)
-            check("int8 compute-bound grid, bit-cast sums, chained tile max", got, compute_whole.double(), 0.0)
             # the streaming grid's one-warp programs with uncapped registers (the fp8 default there): runs whose
             # tiles straddle 300-token documents
             fp8_runs = fm.quantize(index.dequantize(bf), dtype="fp8")
@@ -270,12 +262,15 @@ def main():
             check("fp8 grouped, one warp per program", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_runs).double(), fp8_runs.dequantize(torch.float64)),
                   1e-3)
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
-                                   MAXNREG=168, TMA_DOCS=True, ROW_PARTIALS=8):
+            with forward_overrides(**compute_grid, ROW_PARTIALS=8):
                 got = fm.maxsim(long_q, fp8_whole, long_qm)
+            # its 8 partial maxima per row folded in a fixed chain (CHAINED_MAX, session 43): a max in another order
+            with forward_overrides(**compute_grid, ROW_PARTIALS=8, CHAINED_MAX=True):
+                chained = fm.maxsim(long_q, fp8_whole, long_qm)
             check("fp8 compute-bound grid, whole tiles", got,
                   reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),
                                    long_qm, whole_mask), 1e-3)
+            check("fp8 compute-bound grid, chained partial maxima", chained, got.double(), 0.0)
     torch.cuda.synchronize()
     print("sanitizer case:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

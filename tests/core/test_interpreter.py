@@ -462,4 +462,3 @@ def test_row_partials_fold_their_columns(rows, block_n, drop_nan, chained, seed)
         want = both.amax(2)        # torch's max propagates NaN
     assert want.isnan().any() and not want.isnan().all()
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
-
