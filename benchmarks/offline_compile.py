@@ -399,17 +399,23 @@ def sass_loops(sass: str) -> list:
     return sorted(loops, key=lambda loop: -loop["instructions"])
 
 
-def compile_launch(call, target: GPUTarget) -> dict:
-    """Compile one recorded launch for ``target`` as Triton would on that GPU (same specialisation of every
-    argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16)."""
+def compile_call(call, target: GPUTarget, **extra_options):
+    """Triton's CompiledKernel of one recorded launch for ``target``, as Triton would compile it on that GPU (same
+    specialisation of every argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16).
+    ``extra_options``: more compile options (e.g. ``ir_override``, benchmarks/ptx_edit_probe.py's)."""
     kernel, grid, tensors, scalars, meta = call
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = {**meta, **_launcher.COMPILE_OPTIONS}      # what every launch gives Triton
+    kwargs = {**meta, **_launcher.COMPILE_OPTIONS, **extra_options}      # what every launch gives Triton
     bound, specialization, options = binder(*tensors, *_launcher._tritons_scalars(tensors, scalars), **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_launch(call, target: GPUTarget) -> dict:
+    """Compile one recorded launch for ``target`` (``compile_call``): what the record keeps of it."""
+    kernel, grid, tensors, scalars, meta = call
+    compiled = compile_call(call, target)
     md = compiled.metadata
     # whether the launcher's direct C launch can bind this launch's constexprs (else every call of it takes
     # Triton's slower launch path, silently: session 16's regression)

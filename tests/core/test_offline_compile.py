@@ -397,3 +397,57 @@ def test_catches_what_the_interpreter_accepts():
     torch.testing.assert_close(c, a.float() @ b.float())
     proc = subprocess.run([sys.executable, "-c", _BROKEN], capture_output=True, text=True, env=_env(), timeout=300)
     assert "compile error: CompilationError" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+_PTX_EDITS = f"""
+import json, sys, tempfile, os
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import offline_compile as oc, ptx_edit_probe as probe
+from triton.backends.compiler import GPUTarget
+case = next(c for c in oc.CASES if c.name == "int8 1x4k 1024x1024 (runs of documents by TMA)")
+(call,) = oc.record_launches(case, 132, 90)
+target = GPUTarget("cuda", 90, 32)
+
+def tile_loop_barriers(compiled):
+    loops = oc.sass_loops(oc._cuobjdump(compiled.asm["cubin"], "-sass"))
+    (tile,) = [loop for loop in loops if "SYNCS.ARRIVE.TRANS64" in loop["ops"]]
+    return sum(n for op, n in tile["ops"].items() if op.startswith("BAR.SYNC"))
+
+original = oc.compile_call(call, target)
+ptx = original.asm["ptx"]
+out = {{"original": tile_loop_barriers(original), "lines": sorted(ptx.split("\\n")), "edits": {{}}}}
+with tempfile.TemporaryDirectory() as folder:
+    for name, edit in probe.EDITS.items():
+        edited = edit(ptx)
+        if edited is None:
+            out["edits"][name] = None
+            continue
+        path = os.path.join(folder, name + ".ptx")
+        with open(path, "w") as f:
+            f.write(edited)
+        out["edits"][name] = {{"barriers": tile_loop_barriers(oc.compile_call(call, target, ir_override=path)),
+                               "lines": sorted(edited.split("\\n"))}}
+print(json.dumps(out))
+"""
+
+
+def test_ptx_edit_probe_moves_only_the_barriers_it_names():
+    """benchmarks/ptx_edit_probe.py's edits of the int8 compute-bound kernel (as this Triton compiles it for sm_90):
+    from Triton 3.8 each applies, the edited PTX still assembles (compiled through Triton's ``ir_override``, as the
+    probe does on the device), deleting the barrier before the re-arm takes one CTA barrier out of the tile loop and
+    moving the other one leaves the same lines in another order; under 3.6-3.7, which has neither, none applies."""
+    proc = subprocess.run([sys.executable, "-c", _PTX_EDITS], capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    edits = out["edits"]
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8):
+        assert edits == {"no-rearm-barrier": None, "barrier-before-wait": None, "both": None}
+        return
+    bars = out["original"]
+    assert edits["no-rearm-barrier"]["barriers"] == bars - 1
+    assert edits["both"]["barriers"] == bars - 1
+    assert edits["barrier-before-wait"]["barriers"] == bars
+    assert edits["barrier-before-wait"]["lines"] == out["lines"]
+    dropped = list(out["lines"])
+    dropped.remove(next(line for line in dropped if line.strip().startswith("bar.sync")))
+    assert edits["no-rearm-barrier"]["lines"] == dropped == edits["both"]["lines"]
