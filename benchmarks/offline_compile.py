@@ -166,7 +166,7 @@ CASES = [
     # the same grid with the sums converted (the default before session 16, here on the same 2 stages), and the
     # bit-cast sums where they are an option
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
-         forward_overrides={"BITCAST_SUMS": False, "num_stages": 2}),
+         forward_overrides={"BITCAST_SUMS": False, "num_stages": 3}),
     Case("int8 1x3k 32x300 bit-cast sums", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None),
          forward_overrides={"BITCAST_SUMS": True, "TOKEN_ROWS": False}),
     Case("int8 1x4k 1030x1030 masked bit-cast sums (straddling)",

@@ -184,14 +184,19 @@ def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16
                     # no gain
                     cfg.update(ROW_PARTIALS=8, CHAINED_MAX=REDUCE_IS_A_TREE)
                 if max_len % 128 == 0 and products == "int8":
-                    # documents of whole tiles: the int32 sums read as fp32 bits, not converted, on 2 stages
-                    # (session 16, device call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms; 3 stages 2.530,
-                    # 4 stages 2.765). Straddling runs keep the conversion (offline sm_90: 1520 vs 1415
-                    # instructions per tile, with spills)
+                    # documents of whole tiles: the int32 sums read as fp32 bits, not converted (session 16, device
+                    # call 1, ab_forward: 1x10k 1024x1024 2.485 vs 2.891 ms). Straddling runs keep the conversion
+                    # (offline sm_90: 1520 vs 1415 instructions per tile, with spills)
                     # Their tile max folded in a fixed chain (_tile_max_dropping_nan; session 43, H100, ab_forward,
                     # 5, 7 and 7 interleaved rounds: Triton 3.6 2.511 / 2.509 / 2.523 vs 2.558 / 2.566 / 2.601 ms;
                     # Triton 3.9 2.653 / 2.657 / 2.678 vs 2.646 / 2.664 / 2.702, within 1%)
-                    cfg.update(BITCAST_SUMS=True, num_stages=2, CHAINED_MAX=True)
+                    # On 3 stages: each tile's copy is issued late in the tile before it (Triton 3.8+: at its end;
+                    # 3.6: three quarters in), and on 2 stages the wait for it took 17% of the stall samples under
+                    # 3.9 (ncu, session 44; 5% under 3.6). Session 44, H100, ab_forward, 7 interleaved
+                    # rounds, 3 stages against 2: Triton 3.6 2.477 vs 2.569 ms, 3.9 2.571 vs 2.757 (faster in 7 of 7
+                    # passes each); sustained at the power cap (energy_probe) 2.561 vs 2.629 ms, 1.80 vs 1.89 J.
+                    # (Session 16's kernel was the other way round: 2.530 vs 2.485.) 4 stages: 2.704 / 2.757
+                    cfg.update(BITCAST_SUMS=True, num_stages=3, CHAINED_MAX=True)
             else:
                 # whole tiles keep the token-range mask on their loads here, in the loop over one document's tiles
                 # (session 10, run 22: unmasked, 1x1k 512x1024 0.245 vs 0.232 ms, 1024x1024 0.475 vs 0.458, 1x10k
