@@ -165,7 +165,9 @@ def main(argv=None) -> int:
                 if path:
                     _launcher.COMPILE_OPTIONS["ir_override"] = path
             return before
-        entries = [("default", lambda: ab_forward.forward_scores(launch, p), use(None))]
+        def score():
+            return ab_forward.forward_scores(launch, p)
+        entries = [("default", score, use(None))]
         for name in names:
             edited = EDITS[name](ptx)
             if edited is None:
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
             path = os.path.join(folder, f"{name}.ptx")
             with open(path, "w") as f:
                 f.write(edited)
-            entries.append((name, lambda: ab_forward.forward_scores(launch, p), use(path)))
+            entries.append((name, score, use(path)))
         clocks = None
         if args.clocks:
             from gpu_clocks import ClockSampler, smi_id
