@@ -463,19 +463,19 @@ INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
 def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "MULTI_DOC")):
     """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which
     tensor-core instructions its PTX uses (Hopper's asynchronous wgmma or the older synchronous mma)."""
-    for cache in getattr(kernel, "device_caches", {}).values():
-        for ck in cache[0].values():
-            try:
-                ptx = ck.asm.get("ptx", "")
-                consts = getattr(ck.src, "constants", {})
-                named = {kernel.arg_names[k[0] if isinstance(k, tuple) else k]: v for k, v in consts.items()}
-                named = {k: v for k, v in named.items() if k in names}
-                md = ck.metadata
-                print(f"compiled {named} warps={md.num_warps} stages={md.num_stages} regs={ck.n_regs} "
-                      f"spills={ck.n_spills} wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')}",
-                      flush=True)
-            except Exception as exc:      # another Triton's internals: say so, keep going
-                print(f"compiled: no report ({type(exc).__name__}: {exc})", flush=True)
+    from flash_maxsim.kernels._launcher import compiled_kernels
+    for ck in compiled_kernels(kernel):
+        try:
+            ptx = ck.asm.get("ptx", "")
+            consts = getattr(ck.src, "constants", {})
+            named = {kernel.arg_names[k[0] if isinstance(k, tuple) else k]: v for k, v in consts.items()}
+            named = {k: v for k, v in named.items() if k in names}
+            md = ck.metadata
+            print(f"compiled {named} warps={md.num_warps} stages={md.num_stages} regs={ck.n_regs} "
+                  f"spills={ck.n_spills} wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')}",
+                  flush=True)
+        except Exception as exc:      # another Triton's internals: say so, keep going
+            print(f"compiled: no report ({type(exc).__name__}: {exc})", flush=True)
 
 
 def int8_table(dev):

@@ -100,10 +100,10 @@ EDITS = {"no-rearm-barrier": drop_rearm_barrier, "barrier-before-wait": barrier_
 def _compiled_kernels():
     """Every CompiledKernel of flash_maxsim's forward kernels, from Triton's per-device caches."""
     from flash_maxsim.kernels import forward, forward_token_rows
+    from flash_maxsim.kernels._launcher import compiled_kernels
     for module in (forward, forward_token_rows):
         for obj in vars(module).values():
-            for cache in getattr(obj, "device_caches", {}).values():
-                yield from cache[0].values()
+            yield from compiled_kernels(obj)
 
 
 def main(argv=None) -> int:

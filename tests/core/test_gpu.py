@@ -171,6 +171,7 @@ def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
 _FP_FUSION_SCRIPT = """
 import warnings, torch, triton, flash_maxsim
 from flash_maxsim.kernels import backward, forward, forward_token_rows
+from flash_maxsim.kernels._launcher import compiled_kernels
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter('always')
     q = torch.randn(2, 32, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)
@@ -181,7 +182,7 @@ with warnings.catch_warnings(record=True) as seen:
 fusion = [getattr(compiled.metadata, 'enable_fp_fusion', None)
           for module in (forward, backward, forward_token_rows) for kernel in vars(module).values()
           if isinstance(kernel, triton.runtime.jit.JITFunction)
-          for caches in kernel.device_caches.values() for compiled in caches[0].values()]
+          for compiled in compiled_kernels(kernel)]
 print('FUSION', len(fusion), all(fusion))
 print('WARNINGS', [str(w.message) for w in seen if 'FP_FUSION' in str(w.message)])
 """

@@ -284,3 +284,11 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
     if len(_RUNNERS) >= _MAX_RUNNERS:
         _RUNNERS.clear()
     _RUNNERS[key] = entry if entry is not None else _RunnerCall(runner, tail)
+
+
+def compiled_kernels(kernel):
+    """Every ``CompiledKernel`` Triton holds for ``kernel`` (a ``JITFunction``), on every device, compiled so far:
+    for reports and probes that read their code, registers or metadata. Triton keeps them in
+    ``kernel.device_caches[device][0]`` (3.2-3.9); anything else holds none."""
+    for cache in getattr(kernel, "device_caches", {}).values():
+        yield from cache[0].values()
