@@ -151,7 +151,7 @@ CASES = [
                                                                 None, None)),
     Case("int8 1x3k 32x300 tile kernel (several documents per program)",
          lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None), forward_overrides={"TOKEN_ROWS": False}),
-    # the default: whole tiles' sums read as fp32 bits (kernels/forward.py, _tile_similarities), on 2 stages
+    # the default: whole tiles' sums read as fp32 bits (kernels/forward.py, _tile_similarities), on 3 stages (session 44)
     Case("int8 1x4k 1024x1024 (runs of documents by TMA)", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                   None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
