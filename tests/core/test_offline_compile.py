@@ -451,3 +451,33 @@ def test_ptx_edit_probe_moves_only_the_barriers_it_names():
     dropped = list(out["lines"])
     dropped.remove(next(line for line in dropped if line.strip().startswith("bar.sync")))
     assert edits["no-rearm-barrier"]["lines"] == dropped == edits["both"]["lines"]
+
+
+_COPY_SCHEDULE = """
+import json, sys
+sys.path.insert(0, {benchmarks!r})
+import copy_schedule as cs, offline_compile as oc
+ptx = cs.compiled_ptx(cs.DEFAULT_CASE)
+(row, with_option) = cs.schedules(ptx, [cs.default_ptxas()])
+cubin = cs.assemble(ptx, cs.default_ptxas(), (cs.REG_ALLOC_OPTION,))
+loops = oc.sass_loops(oc._cuobjdump(cubin, "-sass"))
+(tile,) = [loop for loop in loops if "SYNCS.ARRIVE.TRANS64" in loop["ops"]]
+print(json.dumps({{"row": row, "with_option": with_option, "tile_loop": tile["instructions"],
+                  "barriers": sum(n for op, n in tile["ops"].items() if op.startswith("BAR.SYNC"))}}))
+"""
+
+
+def test_copy_schedule_finds_the_tile_loops_wait_rearm_and_copy():
+    """benchmarks/copy_schedule.py, on the int8 compute-bound default as this Triton compiles it for sm_90a and its
+    own ptxas assembles it: the loop it reads is offline_compile.py's tile loop (the same instruction count and CTA
+    barriers), holding one wait on the tile's TMA barrier, one re-arm and one copy, in that order."""
+    code = _COPY_SCHEDULE.format(benchmarks=str(ROOT / "benchmarks"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = out["with_option"]
+    assert "error" not in row and "error" not in out["row"], out
+    assert row["instructions"] == out["tile_loop"]
+    assert len(row["barrier"]) == out["barriers"] > 0
+    assert len(row["wait"]) == len(row["re-arm"]) == len(row["copy"]) == 1, row
+    assert row["wait"][0] < row["re-arm"][0] < row["copy"][0] < row["instructions"]
