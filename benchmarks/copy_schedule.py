@@ -27,13 +27,13 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import offline_compile as oc  # noqa: E402  (a sibling script: the cases, the compiler call, SASS parsing)
 
 DEFAULT_CASE = "int8 1x4k 1024x1024 (runs of documents by TMA)"
 #: the option Triton 3.9 gives ptxas with every compilation (a workaround for a ptxas 13 bug, says its compiler.py)
 REG_ALLOC_OPTION = "--regAllocOptLevel=2"
 
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 _MARKS = {"SYNCS.PHASECHK": "wait", "SYNCS.ARRIVE": "re-arm", "UTMALDG": "copy", "BAR.SYNC": "barrier"}
 
 
@@ -41,20 +41,16 @@ def tile_loop_marks(sass: str) -> dict:
     """The tile loop of a kernel's SASS (the innermost backward-branch loop around the first ``WARPGROUP.ARRIVE``)
     and the positions in it, in address order, of each instruction kind in ``_MARKS``: ``{"instructions": n,
     "wait": [...], "re-arm": [...], "copy": [...], "barrier": [...]}``."""
-    code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+    code = oc.sass_code(sass)
     first_product = next(a for a, text in code if "WARPGROUP.ARRIVE" in text)
-    spans = []
-    for addr, text in code:
-        m = _BRANCH.search(text)
-        if m and m.group(1) and int(m.group(1), 16) <= first_product <= addr:
-            spans.append((int(m.group(1), 16), addr))
+    spans = [(lo, hi) for lo, hi in oc.sass_back_branch_spans(code) if lo <= first_product <= hi]
     if not spans:
         raise ValueError("no loop around the kernel's tensor-core products")
     lo, hi = min(spans, key=lambda span: span[1] - span[0])
     body = [text for addr, text in code if lo <= addr <= hi]
     marks: dict = {"instructions": len(body), **{name: [] for name in _MARKS.values()}}
     for i, text in enumerate(body):
-        op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+        op = oc.sass_opcode(text)
         for prefix, name in _MARKS.items():
             if op.startswith(prefix):
                 marks[name].append(i)
@@ -64,13 +60,7 @@ def tile_loop_marks(sass: str) -> dict:
 def default_ptxas() -> str:
     """The ptxas this Triton runs for sm_90 (3.9: ``ptxas-blackwell``, CUDA 13; 3.6-3.8: ``ptxas``)."""
     from triton.backends.nvidia import compiler
-    getter = getattr(compiler, "get_ptxas", None)
-    if getter is not None:
-        try:
-            return getter(90).path
-        except TypeError:       # a Triton whose get_ptxas takes no architecture
-            return getter().path
-    return os.path.join(os.path.dirname(compiler.__file__), "bin", "ptxas")
+    return compiler.get_ptxas(90).path
 
 
 def ptxas_version(ptxas: str) -> str:
@@ -97,8 +87,6 @@ def assemble(ptx: str, ptxas: str, options=()) -> bytes:
 def compiled_ptx(case_name: str, stages: "int | None" = None) -> str:
     """The PTX of the forward kernel of ``offline_compile.py``'s case ``case_name`` for sm_90a (with ``stages``
     pipeline stages in place of the launcher's, if given), compiled by the Triton on the path."""
-    sys.path.insert(0, HERE)
-    import offline_compile as oc
     from triton.backends.compiler import GPUTarget
 
     case = next((c for c in oc.CASES if c.name == case_name), None)
@@ -112,16 +100,15 @@ def compiled_ptx(case_name: str, stages: "int | None" = None) -> str:
 
 def schedules(ptx: str, ptxas_paths) -> list:
     """One row per ptxas and option set: ``{"ptxas", "version", "options", **tile_loop_marks}``."""
-    sys.path.insert(0, HERE)
-    import offline_compile as oc
     rows = []
     for ptxas in ptxas_paths:
+        version = ptxas_version(ptxas)
         for options in ((), (REG_ALLOC_OPTION,)):
             try:
                 marks = tile_loop_marks(oc._cuobjdump(assemble(ptx, ptxas, options), "-sass"))
             except RuntimeError as exc:      # e.g. an older ptxas and a newer PTX .version
                 marks = {"error": str(exc)}
-            rows.append({"ptxas": ptxas, "version": ptxas_version(ptxas), "options": list(options), **marks})
+            rows.append({"ptxas": ptxas, "version": version, "options": list(options), **marks})
     return rows
 
 

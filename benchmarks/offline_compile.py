@@ -377,23 +377,39 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 
 
-def sass_loops(sass: str) -> list:
-    """The innermost loops of a kernel's SASS (a backward branch and the instructions it jumps back over, holding no
-    other such loop), each as ``{"instructions": n, "ops": {opcode: count}}``, longest first: what one iteration
-    of a tile loop issues per thread, to count before and after a kernel change without a GPU."""
-    code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+def sass_code(sass: str) -> list:
+    """A SASS listing (cuobjdump ``-sass``) as ``[(address, instruction text)]``, in address order."""
+    return [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+
+
+def sass_opcode(text: str) -> str:
+    """An instruction's opcode, its predicate (``@P0``, ``@!UP1``) left out."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def sass_back_branch_spans(code: list) -> list:
+    """Each backward branch of ``sass_code``'s listing as ``(target address, branch address)``: a loop's span."""
     spans = []
     for addr, text in code:
         m = _BACK_BRANCH.search(text)
         if m and m.group(1) and int(m.group(1), 16) < addr:
             spans.append((int(m.group(1), 16), addr))
+    return spans
+
+
+def sass_loops(sass: str) -> list:
+    """The innermost loops of a kernel's SASS (a backward branch and the instructions it jumps back over, holding no
+    other such loop), each as ``{"instructions": n, "ops": {opcode: count}}``, longest first: what one iteration
+    of a tile loop issues per thread, to count before and after a kernel change without a GPU."""
+    code = sass_code(sass)
+    spans = sass_back_branch_spans(code)
     inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
     loops = []
     for lo, hi in sorted(set(inner)):
         ops: dict = {}
         for addr, text in code:
             if lo <= addr <= hi:
-                op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+                op = sass_opcode(text)
                 ops[op] = ops.get(op, 0) + 1
         loops.append({"instructions": sum(ops.values()), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))})
     return sorted(loops, key=lambda loop: -loop["instructions"])
