@@ -5,7 +5,7 @@
 # `st63` (not in `all`): the sentence-transformers suite again on 6.3 (kernel_config, use_kernels), from the wheels
 # scripts/st63_wheels.sh put in .whl-st63 (carry it: `carry: [".whl-st63"]`).
 # Tests run on WORKERS pytest-xdist processes (default 8; colpali-engine's on COLPALI_WORKERS, default 3 on an
-# H200, 2 on an 80 GiB card): the suites are bound by Triton compilation, which parallel workers overlap.
+# H200, 1 on an 80 GiB card): the suites are bound by Triton compilation, which parallel workers overlap.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.cache/triton"
@@ -19,10 +19,10 @@ if want colpali || want pylate; then
   export PYTHONPATH="$PWD/.site:$PWD/.whl/pkgs:$PWD/src:$PWD"
 fi
 if want colpali; then
-  # each worker holds the unpatched library's B = 256 similarity tensors (~27-32 GB) at its peak: 3 fit an H200
-  # (139 GiB), 2 an H100 (80 GiB; 3 ran out of memory there in session 35)
+  # each worker holds the unpatched library's B = 256 similarity tensors (~27-40 GB) at its peak: 3 fit an H200
+  # (139 GiB), 1 an H100 (80 GiB: 3 ran out of memory there in session 35, 2 in session 46, at 40 + 33 GB)
   gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-  default_workers=$([ "${gpu_mib:-0}" -gt 100000 ] && echo 3 || echo 2)
+  default_workers=$([ "${gpu_mib:-0}" -gt 100000 ] && echo 3 || echo 1)
   ( WORKERS="${COLPALI_WORKERS:-$default_workers}" pytest_q tests/integrations/colpali/test_gpu.py; echo "colpali tests rc=$?"
     timeout "${TABLE_S:-150}" python3 benchmarks/colpali_step.py "$out/colpali_step.json"; echo "colpali table rc=$?"
   ) > "$out/colpali.log" 2>&1
