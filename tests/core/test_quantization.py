@@ -451,48 +451,6 @@ def test_bad_quantize_arguments():
         fm.quantize(torch.randint(0, 3, (2, 3, 4)))
 
 
-@pytest.fixture
-def granularity_experiment(monkeypatch):
-    """The module benchmarks/fp8_scale_granularity.py, imported with benchmarks/ on the path for this test only."""
-    from pathlib import Path
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import fp8_scale_granularity
-    return fp8_scale_granularity
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_scale_granularity_experiment_emulates_the_index_exactly(kind, granularity_experiment):
-    """benchmarks/fp8_scale_granularity.py compares scale granularities with its own emulation; at one scale per
-    token it must reproduce flash_maxsim.quantize's dequantised index, or its comparison says nothing."""
-    fake_quantize = granularity_experiment.fake_quantize
-    g = torch.Generator().manual_seed(5)
-    values = torch.randn(300, 128, generator=g).half()
-    # the experiment's scales are fp32 quotients (the index's before it kept bf16 scales)
-    from flash_maxsim.quantization import quantize_tokens
-    q_values, scales = quantize_tokens(values, kind)
-    got = q_values.float() * scales[:, None]
-    torch.testing.assert_close(fake_quantize(values, 128, kind), got, rtol=1e-6, atol=1e-7)
-
-
-def test_scale_granularity_experiment_rotation_is_orthonormal_and_spreads_outliers(granularity_experiment):
-    """The experiment's rotated variants turn the features by a randomised Hadamard matrix: it must be orthonormal
-    (else scores change, not just rounding), and spread a token whose energy sits in one feature, which is what
-    lets int8's per-token scale lose less to it."""
-    fake_quantize = granularity_experiment.fake_quantize
-    randomized_hadamard = granularity_experiment.randomized_hadamard
-    for d in (1, 2, 16, 128):
-        turn = randomized_hadamard(d).double()
-        torch.testing.assert_close(turn @ turn.T, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="power-of-two"):
-        randomized_hadamard(96)
-    g = torch.Generator().manual_seed(6)
-    values = torch.randn(200, 128, generator=g)
-    values[:, 7] *= 30.0
-    plain = (fake_quantize(values, 128, "int8") - values).pow(2).mean()
-    rotated = (fake_quantize(values, 128, "int8-rotated") - values).pow(2).mean()
-    assert rotated < plain / 4
-
-
 def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkeypatch):
     """Whole int8 tiles come by TMA from a tensor descriptor, which needs a 16-byte aligned base: an index whose
     values start 1 byte into their storage takes the per-thread copies instead (a plan of its own, the base's

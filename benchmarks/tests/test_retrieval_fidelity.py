@@ -1,0 +1,70 @@
+"""benchmarks/retrieval_fidelity.py's GPU route, on the CPU: the embedding cache split into packs of whole
+documents (--export-packs), each pack scored on its own (--score-pack), the scores brought back (--device-scores).
+The comparison must come out exactly as scoring the whole corpus in one go does, and a missing pack must be an
+error, not a silently shorter corpus."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import retrieval_fidelity as rf  # noqa: E402
+
+
+@pytest.fixture
+def beir_with_cache(tmp_path):
+    """A 7-document BEIR folder and a cache of random token embeddings for it (ragged documents, d = 16)."""
+    folder = tmp_path / "beir-tiny"
+    (folder / "qrels").mkdir(parents=True)
+    docs = [{"_id": f"d{i}", "title": "", "text": f"document {i}"} for i in range(7)]
+    queries = [{"_id": f"q{i}", "text": f"query {i}"} for i in range(3)]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq0\td1\t1\nq1\td4\t2\nq2\td6\t1\n")
+    g = torch.Generator().manual_seed(0)
+    embeddings = [torch.randn(n, 16, generator=g) for n in (5, 9, 3, 12, 7, 4, 10)]
+    digest = rf.file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
+    cache = tmp_path / "cache"
+    rf.save_cache(cache / folder.name / "synthetic", {"dataset": folder.name, "data_digest": digest,
+                                                      "encoder": {"model": "random"}, "documents": 7, "queries": 3},
+                  torch.randn(3, 8, 16, generator=g), embeddings)
+    return folder, cache
+
+
+def _scorers(report):
+    return {name: {k: v for k, v in s.items() if k != "seconds"} for name, s in report["results"][0]["scorers"].items()}
+
+
+def test_scores_from_packs_compare_as_the_whole_corpus_does(beir_with_cache, tmp_path):
+    folder, cache = beir_with_cache
+    packs = tmp_path / "packs"
+    # ~1.5 KB packs: the queries (768 B) and a few documents (32 B per token) each
+    assert rf.main(["--data", str(folder), "--cache", str(cache), "--export-packs", str(packs),
+                    "--pack-mib", str(1536 / 2**20)]) == 0
+    pack_dirs = sorted(packs.iterdir())
+    assert len(pack_dirs) >= 3
+    pieces = [torch.load(next(p.glob("*.pt"))) for p in pack_dirs]
+    sizes = [len(p["lengths"]) for p in pieces]
+    assert [p["first"] for p in pieces] == [sum(sizes[:i]) for i in range(len(sizes))]    # whole documents, in order
+    assert sum(len(p["lengths"]) for p in pieces) == 7
+    scores = []
+    for i, pack in enumerate(pack_dirs):
+        out = tmp_path / f"scores-{i}.pt"
+        assert rf.main(["--score-pack", str(pack), "--quantized", "int8", "--device", "cpu", "--out", str(out)]) == 0
+        scores.append(str(out))
+    combined, direct = tmp_path / "combined.json", tmp_path / "direct.json"
+    rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", *scores, "--out", str(combined)])
+    rf.main(["--data", str(folder), "--cache", str(cache), "--device", "cpu", "--quantized", "int8",
+             "--out", str(direct)])
+    from_packs, whole = json.loads(combined.read_text()), json.loads(direct.read_text())
+    assert set(_scorers(from_packs)) == {"flash_maxsim", "flash_maxsim int8 index"}
+    assert _scorers(from_packs) == _scorers(whole)
+    assert from_packs["device_name"] == from_packs["results"][0]["scored_on"]
+
+    with pytest.raises(SystemExit, match="cover .* of 7 documents"):
+        rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", *scores[:-1]])     # last missing
+    with pytest.raises(SystemExit, match="the next piece starts"):
+        rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", scores[0], *scores[2:]])
