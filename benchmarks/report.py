@@ -775,7 +775,13 @@ def _save(fig, path: Path, plt, rect=None) -> bool:
         plt.close(fig)
 
 
-PLOT_KINDS = ("forward", "training", "compressed", "forward_sweep", "training_sweep")
+PLOTS = {  # kind -> function(results, path, pyplot) that draws it, False when the run has no data for it
+    "forward": plot_forward,
+    "training": plot_training,
+    "compressed": plot_compressed,
+    "forward_sweep": lambda res, path, plt: plot_sweep(res, "forward_sweep", path, plt),
+    "training_sweep": lambda res, path, plt: plot_sweep(res, "training_sweep", path, plt),
+}
 
 
 def make_plots(res: dict, out_dir: Path, prefix: str = "") -> dict:
@@ -785,14 +791,9 @@ def make_plots(res: dict, out_dir: Path, prefix: str = "") -> dict:
         return {}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for kind in PLOT_KINDS:
+    for kind, draw in PLOTS.items():
         path = out_dir / f"{prefix}{kind.replace('_', '-')}.png"
-        if kind.endswith("_sweep"):
-            done = plot_sweep(res, kind, path, plt)
-        else:
-            done = {"forward": plot_forward, "training": plot_training, "compressed": plot_compressed}[kind](
-                res, path, plt)
-        if done:
+        if draw(res, path, plt):
             written[kind] = path
     return written
 
