@@ -6,7 +6,10 @@ The peers are read for facts (their public call signatures), never copied:
   backward=None)``; ``D`` ``[Nd, Ld, d]`` -> ``[Nq, Nd]``, ``D`` ``[Nq, K, Ld, d]`` -> ``[Nq, K]``; fp32
   scores, autograd-aware (it saves the arg-max only when an input requires grad). It warns once when the
   queries are not L2-normalised; the benchmark's inputs are normalised, as ColBERT/ColPali embeddings are.
-- flash-maxsim 0.3.0, unpacked as ``flash_maxsim_pypi`` (see ../shared/device/wheels.sh):
+- flash-maxsim 0.3.0 from PyPI, whose import name ``flash_maxsim`` is this project's: it is imported as
+  ``flash_maxsim_pypi``, either a package of that name on the path or the ``flash_maxsim`` package found in the
+  folder named by the environment variable ``FLASH_MAXSIM_PYPI_DIR`` (e.g. ``pip install --no-deps --target DIR
+  flash-maxsim==0.3.0``), loaded under the other name (its modules import each other relatively):
   ``flash_maxsim(Q [Lq, d], D [B, Ld, d], doc_lengths=None, query_chunk_size=128, splitk=False) -> [B]``
   (``splitk=True`` is its documented option for long queries and documents at small B),
   ``flash_maxsim_batched(Q [Nq, Lq, d], D [B, Ld, d]) -> [Nq, B]`` and
@@ -33,7 +36,10 @@ Compressed (8-bit) document paths, :meth:`Peer.compressed_variants`; both peers 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -155,7 +161,7 @@ class _LateInteractionKernels(Peer):
                                   index_nbytes=index_nbytes, dequantized=dequantized, note=fallback_note),
             ]
 
-        # per-token scales: the layout of issue 7 (and of flash_maxsim.quantize); per-tensor: LIK's docstring example
+        # per-token scales: the layout of flash_maxsim.quantize's index; per-tensor: LIK's docstring example
         return (make("per-token scales", fp8.quantize_fp8_per_token, fp8.dequantize_fp8_per_token)
                 + make("per-tensor scales", fp8.quantize_fp8_per_tensor, fp8.dequantize_fp8_per_tensor))
 
@@ -220,6 +226,32 @@ _KNOWN = {
 PEER_KEYS = tuple(_KNOWN)
 
 
+# the folder holding flash-maxsim 0.3.0's ``flash_maxsim`` package (pip install --target), imported under
+# PYPI_MODULE so that it does not shadow this project's flash_maxsim
+PYPI_DIR_VARIABLE = "FLASH_MAXSIM_PYPI_DIR"
+PYPI_MODULE = "flash_maxsim_pypi"
+
+
+def _import_peer(module_name: str):
+    """The peer's module: importable by its name, or, for flash-maxsim, loaded from ``$FLASH_MAXSIM_PYPI_DIR``."""
+    folder = os.environ.get(PYPI_DIR_VARIABLE)
+    if module_name != PYPI_MODULE or not folder or module_name in sys.modules:
+        return importlib.import_module(module_name)
+    package = os.path.join(folder, "flash_maxsim")
+    spec = importlib.util.spec_from_file_location(module_name, os.path.join(package, "__init__.py"),
+                                                  submodule_search_locations=[package])
+    if spec is None:
+        raise ImportError(f"{PYPI_DIR_VARIABLE}={folder}: no flash_maxsim package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
 def load_peers(keys) -> tuple[list[Peer], dict[str, str]]:
     """Import the requested peers; returns (the importable ones, {key: why not} for the others)."""
     peers, missing = [], {}
@@ -228,7 +260,7 @@ def load_peers(keys) -> tuple[list[Peer], dict[str, str]]:
             raise ValueError(f"unknown peer {key!r}; known: {', '.join(_KNOWN)}")
         module_name, label, cls = _KNOWN[key]
         try:
-            module = importlib.import_module(module_name)
+            module = _import_peer(module_name)
         except Exception as exc:  # ImportError, or a peer failing at import (no Triton, no CUDA, ...)
             missing[key] = f"import {module_name} failed: {type(exc).__name__}: {exc}"
             log.info("peer %s not available: %s", key, missing[key])

@@ -13,9 +13,9 @@ L2-normalised bf16, hard max and smooth max (use_smooth_max=True, tau 0.1). Meas
 Without enable() the library runs its own einsum (COLPALI_SCORES_BACKEND=torch; ``--library-backend auto`` lets
 0.3.18 use late-interaction-kernels for the hard max when that package is installed).
 
-Run on the GPU machine (colpali-engine carried as a wheel, see ../shared/device/README.md):
+On a CUDA GPU, with colpali-engine installed (``pip install colpali-engine==0.3.18``):
 
-    python3 benchmarks/colpali_step.py $OUT/colpali_step.json [--batch-sizes 64 128 256]
+    python benchmarks/colpali_step.py colpali_step.json [--batch-sizes 64 128 256]
 
 Prints a markdown table and writes every number to the JSON path. ``--cpu-smoke`` runs tiny shapes on the CPU
 (flash_maxsim's PyTorch path, wall-clock timings, no memory numbers) to test the script itself.

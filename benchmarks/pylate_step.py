@@ -1,4 +1,4 @@
-"""One PyLate training step with and without flash_maxsim: time and peak GPU memory (the recipe's device table).
+"""One PyLate training step with and without flash_maxsim: time and peak GPU memory (docs/recipes/pylate.md's table).
 
     python benchmarks/pylate_step.py OUT.json [--queries 64] [--docs-per-query 8] [--document-length 180]
                                              [--model PATH] [--amp bf16 fp32] [--repeats 10]

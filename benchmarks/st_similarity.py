@@ -8,15 +8,15 @@ Measures on a CUDA device, each case first with sentence-transformers' own scori
    negatives over a positive and a hard-negative column, at two batch sizes.
 
 The model is a small randomly initialised BERT (4 layers, 256 wide, 4 heads, a 2,048-word vocabulary) with
-MultiVectorEncoder's 128-d projection, built offline: the all-MiniLM-L6-v2 package is too large to carry to the
-GPU machine. A small encoder makes the MaxSim part of a training step larger than it would be with a big one.
+MultiVectorEncoder's 128-d projection, built offline so that nothing is downloaded. A small encoder makes the
+MaxSim part of a training step larger than it would be with a big one.
 The document embeddings of case 1 are random unit vectors (scoring cost does not depend on the values).
 
 Every case checks, in the same run, that both paths give the same scores / loss. Times are medians of
 ``triton.testing.do_bench`` (similarity) or of CUDA-synchronised steps (training); peak memory is what the call
 allocated beyond what was allocated before it.
 
-    python benchmarks/st_similarity.py results.json [--documents 20000] [--steps 10]
+    python benchmarks/st_similarity.py st_similarity.json [--documents 20000] [--steps 10]
 
 Prints a markdown table; writes the numbers as JSON to the path given. ``--device cpu`` (with small sizes) only
 checks that the script runs: CPU times are wall-clock medians and memory is not measured there.
@@ -31,10 +31,12 @@ import string
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # the working tree's flash_maxsim
 
-import torch
+import torch  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

@@ -1,17 +1,12 @@
-"""benchmarks/retrieval_fidelity.py's GPU route, on the CPU: the embedding cache split into packs of whole
-documents (--export-packs), each pack scored on its own (--score-pack), the scores brought back (--device-scores).
-The comparison must come out exactly as scoring the whole corpus in one go does, and a missing pack must be an
-error, not a silently shorter corpus."""
+"""retrieval_fidelity.py scoring on another machine, run on the CPU: packs exported, scored one by one and brought
+back compare exactly as the whole corpus scored in one go, and a missing or skipped pack is an error."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import retrieval_fidelity as rf  # noqa: E402
+import retrieval_fidelity as rf
 
 
 @pytest.fixture

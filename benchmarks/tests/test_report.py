@@ -1,0 +1,135 @@
+"""report.py: the documentation page, one run's tables and merged runs, rendered from a small hand-made results
+JSON whose numbers must appear in the right cells."""
+
+import json
+
+import pytest
+
+import report
+
+
+def _ok(ms, peak_mb, **extra):
+    return {"status": "ok", "ok": True, "ms": ms, "peak_mb": peak_mb, **extra}
+
+
+@pytest.fixture
+def run():
+    """One GPU's results: a forward, a training and a compressed-index row, one peer missing, one result wrong."""
+    return {
+        "meta": {"date": "2030-01-02T03:04:05", "device": "Test GPU 9000", "smoke": False, "torch": "2.99",
+                 "triton": "3.99", "python": "3.12.0", "git_commit": "abc1234", "git_dirty": False,
+                 "timer": "triton.testing.do_bench", "warmup_ms": 10.0, "rep_ms": 50.0, "dtype": "bfloat16",
+                 "peers": {"lik": "late-interaction-kernels 0.4.5"},
+                 "peers_missing": {"fmpypi": "import flash_maxsim_pypi failed: no such module"},
+                 "elapsed_s": 42.0},
+        "roofline": {"copy_bw_Bps": 4.2e12, "bf16_mm_flops": 7.4e14, "mm_n": 8192, "mm8_n": 8192,
+                     "int8_mm_ops": 1.28e14, "fp8_mm_flops": 1.5e15},
+        "forward": [{
+            "name": "1x1k, 32x300", "Nq": 1, "B": 1000, "Lq": 32, "Ld": 300, "d": 128, "floor_ms": 0.075,
+            "target_ms": 0.035, "results": {
+                "ours": _ok(0.150, 0.004, ref_max_abs_diff=1.9e-06, ref_ok=True, ms_rounds=[0.15, 0.14, 0.16]),
+                "torch_bf16": _ok(0.600, 18.4, max_abs_diff=0.035, tol=0.077),
+                "lik": _ok(0.300, 0.004, max_abs_diff=1.9e-06, tol=0.0026, variant="maxsim",
+                           peer="late-interaction-kernels 0.4.5", ms_rounds=[0.3, 0.3, 0.31]),
+                "fmpypi": {"status": "skipped", "error": "import flash_maxsim_pypi failed: no such module"}}}],
+        "training": [{
+            "name": "ColBERT in-batch B128, 32x300", "Nq": 128, "B": 128, "Lq": 32, "Ld": 300, "d": 128,
+            "layout": "inbatch", "smooth_tau": None, "floor_ms": 0.054, "target_ms": 0.3, "target_mb": 32,
+            "pytorch_share_ms": 0.211, "results": {
+                "ours": _ok(0.846, 11.5, ref_max_abs_diff=1.9e-06, ref_grad_rel_err=0.0027, ref_ok=True,
+                            graph_ms=0.208),
+                "eager": _ok(2.894, 1655.0, max_abs_diff=0.038, tol=0.08, grad_rel_err=0.2, grad_tol=0.5),
+                "lik": {"status": "wrong", "ok": False, "ms": 1.166, "peak_mb": 33.0, "max_abs_diff": 0.5,
+                        "tol": 0.0026, "grad_rel_err": 0.9, "grad_tol": 0.02, "peer": "late-interaction-kernels"}}}],
+        "compressed": [{
+            "name": "1x10k, 32x300", "Nq": 1, "B": 10000, "Lq": 32, "Ld": 300, "d": 128, "flops": 2.46e10,
+            "int8_index_bytes": 10000 * 300 * 130, "memory_floor_ms": {"unquantised": 0.182, "int8": 0.094},
+            "compute_floor_ms": {"bf16": 0.033, "int8": 0.192, "fp8": 0.016}, "target_ms": 0.11,
+            "target_bytes_ratio": 0.53, "results": {
+                "ours_int8": _ok(0.111, 0.0, bytes_ratio=0.516, memory_floor_ms=0.094, fid_max_rel_err=1.8e-3,
+                                 fid_mean_rel_err=4.5e-4, fid_docs=1000, max_abs_diff=9.5e-07, tol=0.0069,
+                                 prepare_s=0.02),
+                "lik": _ok(0.141, 0.0, bytes_ratio=0.516, memory_floor_ms=0.094, fid_max_rel_err=7.2e-3,
+                           fid_mean_rel_err=1.7e-3, fid_docs=1000, max_abs_diff=7.5e-4, tol=0.0069,
+                           variant="maxsim_inference_fp8, per-token scales, query pre-quantised",
+                           peer="late-interaction-kernels 0.4.5")}}],
+    }
+
+
+@pytest.fixture
+def fidelity():
+    scorer = {"ndcg@10": 0.693365, "delta_ndcg@10": 0.0, "top10_identical": 50, "top10_overlap_mean": 1.0,
+              "abs_error": {"max": 3.6e-06}, "rel_error_max": 2.7e-07}
+    return {"device": "cpu", "device_name": "", "results": [
+        {"dataset": "beir-tiny", "queries": 50, "scorers": {"flash_maxsim": scorer}}]}
+
+
+def _row(text: str, first_cell: str, table_heading: str) -> str:
+    """The line of the table under ``table_heading`` whose first cell is ``first_cell``."""
+    section = text.split(table_heading, 1)[1]
+    return next(line for line in section.splitlines() if line.startswith(f"| {first_cell} |"))
+
+
+def test_page_tables_hold_the_runs_numbers(run, fidelity, tmp_path):
+    page = report.render_page([run], [fidelity], tmp_path / "benchmarks.md", plots_dir=None)
+    assert "## Test GPU 9000" in page and "[Test GPU 9000](#test-gpu-9000)" in page
+    assert "flash_maxsim at `abc1234`" in page and "**4.2 TB/s**" in page and "**740 TFLOP/s**" in page
+    # forward: ours, eager bf16, LIK with its version, the missing peer as a footnoted skip; floor, ratio, % of floor
+    head = _row(page, "shape (queries×docs, Lq×Ld)", "### Forward: time")
+    assert head.split(" | ")[1:5] == ["flash_maxsim", "eager bf16", "LIK 0.4.5", "flash-maxsim"]
+    assert _row(page, "1x1k, 32x300", "### Forward: time") == \
+        "| 1x1k, 32x300 | 0.150 | 0.600 | 0.300 | skip [1] | 0.075 | 0.50 | 50% |"
+    assert "[1] skipped: import flash_maxsim_pypi failed: no such module" in page
+    assert _row(page, "1x1k, 32x300", "### Forward: peak memory") == "| 1x1k, 32x300 | 0.0 | 18 | 0.0 | skip [1] |"
+    # training: ms / MB cells, a wrong peer marked and never the "best peer" (no ratio), the CUDA-graph table
+    assert _row(page, "ColBERT in-batch B128, 32x300", "### Training step: time").startswith(
+        "| ColBERT in-batch B128, 32x300 | 0.846 / 12 | 2.894 / 1655 | 1.166 / 33 ✗[1] | 0.054 | – | 6% |")
+    assert "gradient rel. error 0.9 (tol 0.02)" in page
+    assert _row(page, "ColBERT in-batch B128, 32x300", "### Training step: GPU time") == \
+        "| ColBERT in-batch B128, 32x300 | 0.208 | – | – | 0.846 | 0.211 |"
+    # compressed index: time, bytes ratio, floor, fidelity; the floors table counts d + 2 bytes per token
+    assert _row(page, "1x10k, 32x300", "### Compressed index: time") == \
+        "| 1x10k, 32x300 | flash_maxsim int8 | 0.111 | 0.516 | 0.094 | 85% | 1.8e-03 |"
+    assert "| LIK 0.4.5 fp8 (maxsim_inference_fp8, per-token scales, query pre-quantised) | 0.141 |" in page
+    assert "int8 index (d + 2 B/token)" in page
+    # retrieval fidelity
+    assert "| beir-tiny | CPU | flash_maxsim | 0.6934 | +0.0e+00 | 50/50 | 1.000 | 3.6e-06 | 2.7e-07 |" in page
+    # the page leaves the design targets out
+    assert "met?" not in page and "target ms" not in page
+
+
+def test_run_tables_show_the_design_targets(run):
+    tables = report.render_run(run)
+    assert _row(tables, "1x1k, 32x300", "### Forward: time").endswith("| ≤ 0.035 | no (target) |")
+    assert "≤ 0.3 / ≤ 32 | no (time target) |" in tables
+    assert _row(tables, "1x10k, 32x300", "### Compressed index: time").endswith(
+        "| ≤ 0.11 ms, ≤ 0.53× | no (time) |")
+
+
+def test_merged_runs_take_later_sections(run):
+    later = json.loads(json.dumps(run))
+    later["meta"]["date"] = "2030-02-03T00:00:00"
+    later["forward"][0]["results"]["ours"]["ms"] = 0.125
+    del later["training"], later["compressed"]
+    merged = report.merge_results([run, later])
+    assert merged["forward"][0]["results"]["ours"]["ms"] == 0.125
+    assert merged["training"] == run["training"] and merged["meta"]["date"] == run["meta"]["date"]
+    assert merged["meta"]["merged_runs"][0]["sections"] == ["forward"]
+    assert "Sections forward come from another run, of 2030-02-03T00:00:00" in report.render_run(merged)
+    assert "merged_runs" not in run["meta"]
+
+
+def test_page_command_writes_the_page_and_its_plots(run, fidelity, tmp_path):
+    pytest.importorskip("matplotlib")
+    results, fid = tmp_path / "gpu.json", tmp_path / "fidelity.json"
+    results.write_text(json.dumps(run))
+    fid.write_text(json.dumps(fidelity))
+    page, plots = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks"
+    assert report.main(["page", str(results), "--fidelity", str(fid), "--out", str(page),
+                        "--plots", str(plots)]) == 0
+    assert sorted(p.name for p in plots.iterdir()) == ["test-compressed.png", "test-forward.png",
+                                                       "test-training.png"]
+    text = page.read_text()
+    for name in ("test-forward.png", "test-training.png", "test-compressed.png"):
+        assert f"](benchmarks/{name})" in text
+        assert (plots / name).stat().st_size > 10_000
