@@ -285,8 +285,7 @@ def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto", chos
     ``flash_maxsim.reference.maxsim`` (softmax weights)."""
     leaves64 = [x.detach().double().requires_grad_(True) for x in case.leaves()]
     if case.num_queries == 0 or case.num_columns == 0:
-        # nothing to score: an empty result and zero gradients (the reference itself fails on zero documents,
-        # a known bug pinned in test_reference.py)
+        # nothing to score: an empty result and zero gradients
         shape = (case.num_columns,) if case.single_query else (case.num_queries, case.num_columns)
         out = torch.zeros(shape, dtype=torch.float64, device=case.queries.device)
     elif oracle == "reference" or (oracle == "auto" and case.smooth_tau is not None):
