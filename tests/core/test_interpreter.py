@@ -14,8 +14,7 @@ from flash_maxsim.kernels import launch
 from flash_maxsim.kernels.forward import _fold_row_partials, _tile_max_dropping_nan
 from flash_maxsim.ops import force_backend
 
-from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, expected_scores_and_grads,
-                      flash_scores_and_grads, make_case, upstream_gradient)
+from .helpers import LAYOUTS, check_case, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -27,13 +26,7 @@ pytestmark = [
 
 
 def check(case):
-    grad_out = upstream_gradient(case)
-    with force_backend("triton"):
-        got, grads = flash_scores_and_grads(case, grad_out)
-        expected, expected_grads = expected_scores_and_grads(case, grad_out)
-    assert_scores_close(got, expected, case)
-    assert_grads_close(grads, expected_grads, case)
-    return got, grads
+    return check_case(case, "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
