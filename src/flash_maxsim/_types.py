@@ -202,3 +202,9 @@ class QuantizedDocuments:
         if self.offsets is not None:
             return PackedDocuments(dense, self.offsets, self.max_length)
         return dense
+
+
+# pickles name a class by its module: these are the modules that export them to callers, so that objects pickled
+# (and torch.serialization.safe_globals entries written) against those paths keep loading
+PackedDocuments.__module__ = "flash_maxsim._layout"
+QuantizedDocuments.__module__ = "flash_maxsim.quantization"

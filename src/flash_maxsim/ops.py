@@ -3,7 +3,9 @@
 ``torch.ops.flash_maxsim.maxsim_fwd`` and ``torch.ops.flash_maxsim.maxsim_bwd`` take the canonical problem
 (see ``flash_maxsim._layout.Problem``) as plain tensors and numbers, so that ``torch.compile(fullgraph=True)``
 traces through them and CUDA graphs can capture them. They dispatch to the Triton kernels for CUDA tensors (and
-for CPU tensors under ``TRITON_INTERPRET=1``) and to the exact chunked PyTorch path otherwise.
+for CPU tensors under ``TRITON_INTERPRET=1``) and to the exact chunked PyTorch path otherwise. The kernels, and
+Triton, are imported on the first call that needs them (:func:`kernels`), so the PyTorch path runs without
+Triton installed.
 
 Most users want :func:`flash_maxsim.maxsim`; :func:`maxsim_backward` is the functional backward, with the
 option of fp32 gradients whatever the input dtype.

@@ -213,3 +213,24 @@ def test_the_interpreter_asked_for_without_triton_names_what_is_missing():
     """, TRITON_INTERPRET="1")
     assert result.returncode == 0, result.stderr
     assert "need Triton: pip install triton" in result.stdout
+
+
+def test_the_data_types_pickle_under_the_paths_that_export_them():
+    """PackedDocuments and QuantizedDocuments live in the leaf module but pickle as ``flash_maxsim._layout`` and
+    ``flash_maxsim.quantization`` objects, paths that hold them; their annotations resolve there."""
+    import importlib
+    import pickle
+    import typing
+
+    import torch
+
+    packed = flash_maxsim.pack([torch.randn(2, 4), torch.randn(3, 4)])
+    index = flash_maxsim.quantize(torch.randn(2, 3, 4))
+    for obj, module, field in ((packed, "flash_maxsim._layout", "offsets"),
+                               (index, "flash_maxsim.quantization", "scales")):
+        cls = type(obj)
+        assert cls.__module__ == module and getattr(importlib.import_module(module), cls.__name__) is cls
+        assert typing.get_type_hints(cls)
+        again = pickle.loads(pickle.dumps(obj))
+        assert type(again) is cls
+        assert torch.equal(again.values, obj.values) and torch.equal(getattr(again, field), getattr(obj, field))
