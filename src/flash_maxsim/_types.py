@@ -1,6 +1,6 @@
 """The data types and dtype rules that the layout, the quantisation and the kernels share.
 
-A leaf: it imports only torch, so that every layer can import it without a circle.
+A leaf: it imports nothing of the package (only torch), so that every layer can import it without a circle.
 
 - :class:`PackedDocuments` and :class:`QuantizedDocuments` (with its file format, :meth:`QuantizedDocuments.save`
   and :meth:`QuantizedDocuments.load`), the public document containers;
@@ -39,7 +39,8 @@ class PackedDocuments(NamedTuple):
 
 # the documents' layouts that maxsim, quantize and reference.maxsim accept: [B, Ld, d] or [Nq, K, Ld, d], a list of
 # [Ld_i, d], PackedDocuments or a (values, offsets[, max_length]) tuple; and their masks (one [Ld_i] per listed one)
-Documents = Union[torch.Tensor, Sequence[torch.Tensor], PackedDocuments]
+Documents = Union[torch.Tensor, Sequence[torch.Tensor], PackedDocuments,
+                  tuple[torch.Tensor, torch.Tensor, Optional[int]]]
 DocumentsMask = Union[None, torch.Tensor, Sequence[Union[torch.Tensor, Sequence[int], Sequence[bool]]]]
 
 
