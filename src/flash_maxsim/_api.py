@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Literal, Optional, Union
+
+import torch
+
 from ._layout import canonicalize
+from ._types import Documents, DocumentsMask, QuantizedDocuments
 from .ops import scores
 
 
-def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude", smooth_tau=None):
+def maxsim(queries: torch.Tensor, documents: Union[Documents, QuantizedDocuments],
+           queries_mask: Optional[torch.Tensor] = None, documents_mask: DocumentsMask = None, *,
+           masked: Literal["exclude", "zero"] = "exclude", smooth_tau: Optional[float] = None) -> torch.Tensor:
     """Late-interaction (MaxSim) scores, computed tile by tile without the similarity tensor.
 
     Args:
         queries: ``[Nq, Lq, d]`` (or ``[Lq, d]`` for one query: the output then drops the query axis).
         documents: ``[B, Ld, d]`` -> scores ``[Nq, B]`` (every query against every document);
             ``[Nq, K, Ld, d]`` -> ``[Nq, K]`` (each query against its own K candidates);
-            a list of B ``[Ld_i, d]`` tensors or :class:`PackedDocuments` -> ``[Nq, B]``, no padding computed.
+            a list of B ``[Ld_i, d]`` tensors or :class:`PackedDocuments` -> ``[Nq, B]``, no padding computed;
+            :class:`QuantizedDocuments` (:func:`flash_maxsim.quantize`) in any of these layouts, for scoring.
         queries_mask: ``[Nq, Lq]``, bool or 0/1; a masked query token contributes 0.
         documents_mask: ``[B, Ld]`` / ``[Nq, K, Ld]`` / one ``[Ld_i]`` per listed document, any pattern.
         masked: ``"exclude"`` (masked document tokens take no part; no valid token -> the query token adds 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._layout import aux_dtype
+from ._types import aux_dtype
 
 BLOCK_ELEMENTS = 1 << 24
 

@@ -5,23 +5,15 @@ from __future__ import annotations
 import operator
 import reprlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# PackedDocuments and aux_dtype are re-exported: callers import them from here as well as from ._types
+from ._types import SUPPORTED_DTYPES, PackedDocuments, QuantizedDocuments, aux_dtype  # noqa: F401
+
 MASKED_MODES = ("exclude", "zero")
 SMOOTH_TAU_RANGE = (2.0 ** -100, 2.0 ** 100)
-
-
-class PackedDocuments(NamedTuple):
-    """Ragged documents without padding: ``values`` ``[sum Ld_t, d]``, ``offsets`` ``[T + 1]`` (int, starts at
-    0, non-decreasing): document ``t`` is ``values[offsets[t]:offsets[t + 1]]``. ``max_length`` (optional) is
-    the longest document; given, it saves one device-to-host read in the backward."""
-
-    values: torch.Tensor
-    offsets: torch.Tensor
-    max_length: Optional[int] = None
 
 
 def pack(documents: Sequence[torch.Tensor]) -> PackedDocuments:
@@ -95,15 +87,6 @@ def num_columns(documents, offsets, candidates: int) -> int:
     if candidates:
         return candidates
     return documents.shape[0] if offsets is None else offsets.shape[0] - 1
-
-
-def aux_dtype(smooth_tau, max_length: int) -> torch.dtype:
-    """dtype of the state the forward saves for the backward, per (query, document, query token): the row's
-    log-sum-exp (smooth max, fp32) or the arg-max token index (hard max; -1 = no gradient), int16 while every
-    index fits (documents of at most 32767 tokens: half the memory), int32 beyond."""
-    if smooth_tau is not None:
-        return torch.float32
-    return torch.int16 if max_length <= 32767 else torch.int32
 
 
 def _shape(x) -> str:
@@ -193,11 +176,6 @@ def _flat_document_mask(documents_mask, lengths: list, device) -> torch.Tensor:
     return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool, device=device)
 
 
-def _is_quantized(documents) -> bool:
-    from .quantization import QuantizedDocuments   # imported here: quantization builds on this module
-    return isinstance(documents, QuantizedDocuments)
-
-
 def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude",
                  smooth_tau=None) -> Problem:
     _check_tensor("queries", queries)
@@ -216,7 +194,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
             # the kernels scale similarities by log2(e) / tau in fp32, which must be finite and nonzero; below the
             # range the smooth max equals the hard max to within tau * log(Ld) anyway
             raise ValueError(f"`smooth_tau` must lie in [2**-100, 2**100], got {reprlib.repr(smooth_tau)}")
-    quantized = not isinstance(documents, torch.Tensor) and _is_quantized(documents)
+    quantized = isinstance(documents, QuantizedDocuments)
     scales = None
     if quantized:
         if documents_mask is None:

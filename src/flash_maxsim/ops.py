@@ -3,7 +3,9 @@
 ``torch.ops.flash_maxsim.maxsim_fwd`` and ``torch.ops.flash_maxsim.maxsim_bwd`` take the canonical problem
 (see ``flash_maxsim._layout.Problem``) as plain tensors and numbers, so that ``torch.compile(fullgraph=True)``
 traces through them and CUDA graphs can capture them. They dispatch to the Triton kernels for CUDA tensors (and
-for CPU tensors under ``TRITON_INTERPRET=1``) and to the exact chunked PyTorch path otherwise.
+for CPU tensors under ``TRITON_INTERPRET=1``) and to the exact chunked PyTorch path otherwise. The kernels, and
+Triton, are imported on the first call that needs them (:func:`kernels`), so the PyTorch path runs without
+Triton installed.
 
 Most users want :func:`flash_maxsim.maxsim`; :func:`maxsim_backward` is the functional backward, with the
 option of fp32 gradients whatever the input dtype.
@@ -13,29 +15,66 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+import os
+import sys
+from types import ModuleType
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from . import _cpu
-from ._layout import Problem, aux_dtype, num_columns
-from .kernels import launch
+from ._layout import Problem, num_columns
+from ._types import aux_dtype
+from .quantization import dequantized_queries, eight_bit_products_in_use
 
 _LIB = "flash_maxsim"
+_LAUNCH_MODULE = __package__ + ".kernels.launch"
+
+# flash_maxsim.kernels.launch once loaded: the kernels import Triton, which the CPU path does without
+_launch: Optional[ModuleType] = None
+# whether CPU tensors go to the kernels (Triton's interpreter), decided on the first CPU call
+_cpu_runs_kernels: Optional[bool] = None
+
+
+def kernels() -> ModuleType:
+    """``flash_maxsim.kernels.launch``, imported on first use, or an ImportError that names what is missing."""
+    global _launch
+    if _launch is None:
+        try:
+            from .kernels import launch
+        except ImportError as error:
+            raise ImportError(f"flash_maxsim's Triton kernels (CUDA tensors, or CPU tensors under "
+                              f"TRITON_INTERPRET=1) need Triton: pip install triton ({error})") from error
+        _launch = launch
+    return _launch
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def _resolve_cpu_runs_kernels() -> bool:
+    """CPU tensors go to the kernels when they were built for Triton's interpreter: TRITON_INTERPRET=1 was set
+    when they were first imported (here, if nothing imported them before)."""
+    global _cpu_runs_kernels
+    if _cpu_runs_kernels is None:
+        loaded = _LAUNCH_MODULE in sys.modules
+        _cpu_runs_kernels = (loaded or _interpreter_requested()) and kernels().interpreting()
+    return _cpu_runs_kernels
 
 
 _forced_backend: Optional[str] = None
 
 
 @contextlib.contextmanager
-def force_backend(name: Optional[str]):
+def force_backend(name: Optional[str]) -> Iterator[None]:
     """Run the ops on one backend: ``"triton"`` (CUDA, or CPU when the kernels are interpreted) or ``"torch"``
     (the chunked PyTorch path). For tests and comparisons; not thread-safe."""
     global _forced_backend
     if name not in (None, "triton", "torch"):
         raise ValueError(f"`name` must be 'triton', 'torch' or None, got {name!r}")
-    if name == "triton" and not launch.interpreting() and not torch.cuda.is_available():
+    if name == "triton" and not kernels().interpreting() and not torch.cuda.is_available():
         raise RuntimeError("the Triton backend needs CUDA or TRITON_INTERPRET=1 set before importing flash_maxsim")
     previous, _forced_backend = _forced_backend, name
     try:
@@ -47,7 +86,9 @@ def force_backend(name: Optional[str]):
 def _use_triton(x: Tensor) -> bool:
     if _forced_backend is not None:
         return _forced_backend == "triton"
-    return x.device.type == "cuda" or (x.device.type == "cpu" and launch.interpreting())
+    kind = x.device.type
+    return kind == "cuda" or (kind == "cpu" and (
+        _cpu_runs_kernels if _cpu_runs_kernels is not None else _resolve_cpu_runs_kernels()))
 
 
 def _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
@@ -69,13 +110,13 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
                 torch.full((Nq, C, Lq), fill, dtype=aux_dtype(smooth_tau, max_length), device=queries.device)
                 if save_aux else None)
     if _use_triton(queries):
-        return launch.forward(queries, documents, queries_mask, documents_mask, offsets, candidates,
-                              zero_masked, smooth_tau, save_aux, max_length, document_scales)
+        return (_launch or kernels()).forward(queries, documents, queries_mask, documents_mask, offsets,
+                                              candidates, zero_masked, smooth_tau, save_aux, max_length,
+                                              document_scales)
     p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, document_scales)
-    products = launch.eight_bit_products(documents, document_scales, queries.shape[-1], save_aux)
+    products = eight_bit_products_in_use(documents, document_scales, queries.shape[-1], save_aux)
     if products is not None:
         # what the kernels score against an 8-bit index: the query quantised per token like a document token
-        from .quantization import dequantized_queries
         p = dataclasses.replace(p, queries=dequantized_queries(queries, products))
     # the exact path computes in fp32 whatever autocast region the caller is in
     with torch.autocast(queries.device.type, enabled=False):
@@ -114,8 +155,9 @@ def backward_impl(grad, queries, documents, queries_mask, documents_mask, offset
         dq = torch.zeros(queries.shape, dtype=grad_dtype or queries.dtype, device=queries.device)
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=documents.device)
     elif _use_triton(queries):
-        dq, dd = launch.backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux,
-                                 candidates, smooth_tau, need_queries_grad, need_documents_grad, grad_dtype)
+        dq, dd = (_launch or kernels()).backward(grad, queries, documents, queries_mask, documents_mask, offsets,
+                                                 max_length, aux, candidates, smooth_tau, need_queries_grad,
+                                                 need_documents_grad, grad_dtype)
     else:
         p = _problem(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates)
         with torch.autocast(queries.device.type, enabled=False):
@@ -148,7 +190,8 @@ def _(grad, queries, documents, queries_mask, documents_mask, offsets, max_lengt
 
 
 def _setup_context(ctx, inputs, output):
-    queries, documents, queries_mask, documents_mask, offsets, max_length, candidates, _, smooth_tau, save_aux = inputs[:10]
+    queries, documents, queries_mask, documents_mask, offsets, max_length, candidates = inputs[:7]
+    smooth_tau, save_aux = inputs[8:10]
     _, aux = output
     # no zero-filled gradient for the aux output, which nothing differentiates (it would be as large as aux)
     ctx.set_materialize_grads(False)

@@ -19,9 +19,11 @@ This module is documentation first: it materialises the per-query similarity ten
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
+
+from ._types import Documents, DocumentsMask
 
 __all__ = ["maxsim"]
 
@@ -66,7 +68,9 @@ def _document_lists(documents, documents_mask):
     return docs, None if documents_mask is None else list(documents_mask), 0
 
 
-def maxsim(queries, documents, queries_mask=None, documents_mask=None, *, masked="exclude", smooth_tau=None):
+def maxsim(queries: torch.Tensor, documents: Documents, queries_mask: Optional[torch.Tensor] = None,
+           documents_mask: DocumentsMask = None, *, masked: Literal["exclude", "zero"] = "exclude",
+           smooth_tau: Optional[float] = None) -> torch.Tensor:
     """float64 MaxSim with the same layouts and arguments as :func:`flash_maxsim.maxsim`."""
     single = queries.dim() == 2
     Q = (queries[None] if single else queries).double()

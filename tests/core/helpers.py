@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import flash_maxsim
 from flash_maxsim import reference
+from flash_maxsim.ops import force_backend
 
 LAYOUTS = ("padded", "candidates", "list", "packed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -285,8 +286,7 @@ def reference_scores_and_grads(case: Case, grad_output=None, oracle="auto", chos
     ``flash_maxsim.reference.maxsim`` (softmax weights)."""
     leaves64 = [x.detach().double().requires_grad_(True) for x in case.leaves()]
     if case.num_queries == 0 or case.num_columns == 0:
-        # nothing to score: an empty result and zero gradients (the reference itself fails on zero documents,
-        # a known bug pinned in test_reference.py)
+        # nothing to score: an empty result and zero gradients
         shape = (case.num_columns,) if case.single_query else (case.num_queries, case.num_columns)
         out = torch.zeros(shape, dtype=torch.float64, device=case.queries.device)
     elif oracle == "reference" or (oracle == "auto" and case.smooth_tau is not None):
@@ -375,3 +375,15 @@ def upstream_gradient(case: Case, seed=None):
     shape = (case.num_columns,) if case.single_query else (case.num_queries, case.num_columns)
     g = torch.Generator().manual_seed(case.seed + 1 if seed is None else seed)
     return torch.randn(*shape, generator=g).to(case.queries.device)
+
+
+def check_case(case: Case, backend: str):
+    """Scores and gradients (for a random upstream gradient) of ``case`` on ``backend`` ("torch" or "triton")
+    against the float64 oracle; returns them."""
+    grad_out = upstream_gradient(case)
+    with force_backend(backend):
+        got, grads = flash_scores_and_grads(case, grad_out)
+        expected, expected_grads = expected_scores_and_grads(case, grad_out)
+    assert_scores_close(got, expected, case)
+    assert_grads_close(grads, expected_grads, case)
+    return got, grads

@@ -10,9 +10,8 @@ import flash_maxsim
 from flash_maxsim import _cpu
 from flash_maxsim.ops import force_backend
 
-from .helpers import (DTYPES, LAYOUTS, MASK_DTYPES, assert_grads_close, assert_scores_close,
-                      expected_scores_and_grads, flash_scores_and_grads, make_case, reference_scores_and_grads,
-                      upstream_gradient)
+from .helpers import (DTYPES, LAYOUTS, MASK_DTYPES, assert_scores_close, check_case, expected_scores_and_grads,
+                      flash_scores_and_grads, make_case, reference_scores_and_grads, upstream_gradient)
 
 PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -55,12 +54,7 @@ def test_scores_match_reference(case):
 @PROPERTY
 @given(case=cases())
 def test_gradients_match_reference(case):
-    grad_out = upstream_gradient(case)
-    with force_backend("torch"):
-        got, grads = flash_scores_and_grads(case, grad_out)
-        expected, expected_grads = expected_scores_and_grads(case, grad_out)
-    assert_scores_close(got, expected, case)
-    assert_grads_close(grads, expected_grads, case)
+    check_case(case, "torch")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -86,26 +80,15 @@ def test_blocking_over_many_documents_and_queries(monkeypatch, seed):
     monkeypatch.setattr(_cpu, "BLOCK_ELEMENTS", 64)
     for layout in LAYOUTS:
         for tau in (None, 0.5):
-            case = make_case(layout=layout, Nq=5, C=7, Lq=3, Ld=5, d=4, smooth_tau=tau, doc_mask_keep=0.7,
-                             empty_doc=True, seed=seed)
-            grad_out = upstream_gradient(case)
-            with force_backend("torch"):
-                got, grads = flash_scores_and_grads(case, grad_out)
-                expected, expected_grads = expected_scores_and_grads(case, grad_out)
-            assert_scores_close(got, expected, case)
-            assert_grads_close(grads, expected_grads, case)
+            check_case(make_case(layout=layout, Nq=5, C=7, Lq=3, Ld=5, d=4, smooth_tau=tau, doc_mask_keep=0.7,
+                                 empty_doc=True, seed=seed), "torch")
 
 
 @pytest.mark.parametrize("layout", ["list", "packed"])
 def test_ragged_with_zero_length_documents(layout, seed):
-    case = make_case(layout=layout, Nq=2, C=4, Lq=3, Ld=5, d=8, lengths=[3, 0, 5, 0], seed=seed)
-    grad_out = upstream_gradient(case)
-    with force_backend("torch"):
-        got, grads = flash_scores_and_grads(case, grad_out)
-        expected, expected_grads = expected_scores_and_grads(case, grad_out)
+    got, _ = check_case(make_case(layout=layout, Nq=2, C=4, Lq=3, Ld=5, d=8, lengths=[3, 0, 5, 0], seed=seed),
+                        "torch")
     assert (got[:, [1, 3]] == 0).all()
-    assert_scores_close(got, expected, case)
-    assert_grads_close(grads, expected_grads, case)
 
 
 def test_all_documents_empty_cpu():

@@ -283,3 +283,33 @@ def test_the_other_flash_maxsim_projects_names_say_which_package_this_is():
         flash_maxsim.no_such_name
     assert "flash-maxsim-kernels" not in str(error.value)
     assert not hasattr(flash_maxsim, "sys"), "module-private imports stay private"
+
+
+def test_pylate_asking_for_the_other_projects_names_gets_its_fallback_exception(monkeypatch):
+    """PyLate's flash backend importing one of the other project's names gets an ImportError that is also PyLate's
+    FlashUnsupported (what its backend="auto" falls back on), one warning per process, and PyLate's record of
+    that backend's availability set to False."""
+    import sys
+    import types
+    import warnings
+
+    from flash_maxsim import _name_clash
+    backend = types.ModuleType("pylate.scores._flash_backend")
+    exec("_IMPORT_OK = True\n"
+         "class FlashUnsupported(Exception):\n"
+         "    pass\n"
+         "def flash_scores():\n"
+         "    from flash_maxsim import flash_maxsim_batched\n", backend.__dict__)
+    monkeypatch.setitem(sys.modules, "pylate.scores._flash_backend", backend)
+    monkeypatch.setattr(_name_clash, "_fallback_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors = []
+        for _ in range(2):
+            with pytest.raises(backend.FlashUnsupported) as error:
+                backend.flash_scores()
+            errors.append(error.value)
+    assert all(isinstance(e, ImportError) and e.name == "flash_maxsim_batched" for e in errors)
+    assert "flash-maxsim-kernels" in str(errors[0]) and "enable()" in str(errors[0])
+    assert len([w for w in caught if "flash-maxsim-kernels" in str(w.message)]) == 1
+    assert backend._IMPORT_OK is False

@@ -57,8 +57,8 @@ CONFIGS = [
     _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=300, Nq=1, C=512),
     _config("padded", BF16, "exclude", None, 128, Lq=32, Ld=1030, Nq=4, C=16, **MASKS),
     _config("packed", BF16, "exclude", None, 128, Lq=31, Ld=257, Nq=3, C=200, empty_doc=True),
-    # the training forward's 256-row tiles with 16-token tail tiles (session 21: documents of 512 tokens or more,
-    # enough programs of 8 queries)
+    # the training forward's 256-row tiles with 16-token tail tiles (documents of 512 tokens or more, enough
+    # programs of 8 queries)
     _config("padded", BF16, "zero", None, 128, Lq=32, Ld=1030, Nq=64, C=64, **MASKS),
     _config("padded", FP16, "exclude", 0.1, 128, Lq=32, Ld=1030, Nq=64, C=64, **MASKS),
 ]
@@ -139,8 +139,8 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
 
 def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
     """On a Triton whose C launcher layout the launcher knows (3.6; 3.7-3.9), every kernel of scoring calls (bf16
-    with and without TMA copies, an int8 index) and of a training step launches directly from its second call on:
-    a silent fall back to the compiled runner costs 5-25 us per launch (docs/perf-notes.md, sessions 14 and 40)."""
+    with and without TMA copies, an int8 index) and of a training step launches directly from its second call on
+    (a silent fall back to Triton's compiled runner would cost 5-25 us per launch)."""
     from flash_maxsim.kernels import _launcher
     parts = _launcher._triton_launch_parts()
     if parts is None or parts[0] is None:
@@ -216,10 +216,9 @@ def test_kernels_compile_with_fp_fusion_whatever_tritons_default(triton_default)
 @pytest.mark.parametrize("Nq, B, Ld, ties", [(64, 512, 300, False), (64, 512, 300, True), (16, 64, 1030, True)],
                          ids=["B64+7neg-random", "B64+7neg-ties", "ColPali-ties"])
 def test_training_forward_arg_max_pairs_match_one_max_per_row(Nq, B, Ld, ties, seed, monkeypatch):
-    """The training forward's hard-max default (session 22: partial (max, arg-max) pairs per row, whole tiles
-    copied by TMA on Hopper) at training shapes: scores and saved arg-max bit for bit those of one max per row with
-    the threads' copies (the kernel before), on random inputs and on small integers (ties everywhere), masks
-    included."""
+    """The training forward's hard-max default (partial (max, arg-max) pairs per row, whole tiles copied by TMA on
+    Hopper) at training shapes: scores and saved arg-max bit for bit those of one max per row with the threads'
+    copies, on random inputs and on small integers (ties everywhere), masks included."""
     from flash_maxsim import _layout
     from flash_maxsim.kernels import launch
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})          # the plans of this test's calls only

@@ -14,8 +14,7 @@ from flash_maxsim.kernels import launch
 from flash_maxsim.kernels.forward import _fold_row_partials, _tile_max_dropping_nan
 from flash_maxsim.ops import force_backend
 
-from .helpers import (LAYOUTS, assert_grads_close, assert_scores_close, expected_scores_and_grads,
-                      flash_scores_and_grads, make_case, upstream_gradient)
+from .helpers import LAYOUTS, check_case, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -27,13 +26,7 @@ pytestmark = [
 
 
 def check(case):
-    grad_out = upstream_gradient(case)
-    with force_backend("triton"):
-        got, grads = flash_scores_and_grads(case, grad_out)
-        expected, expected_grads = expected_scores_and_grads(case, grad_out)
-    assert_scores_close(got, expected, case)
-    assert_grads_close(grads, expected_grads, case)
-    return got, grads
+    return check_case(case, "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -154,11 +147,10 @@ def _row_partial_cases():
 def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, overrides, monkeypatch, seed):
     """``ROW_PARTIALS`` (kernels/forward.py, ``_fold_row_partials``): 8 partial maxima per row across a document's
     tiles (or 4, over column pairs), the max across them once per document. Scores equal bit for bit those of one
-    running max per row (the
-    same maxima of the same similarities, only grouped otherwise), NaN where the NaN token's document is scored,
-    in every loop that takes them: one document per program (token-split too), several documents' tile loop,
-    runs of whole tiles (bf16; int8 with bit-cast sums and their exact second pass; fp8), ragged and paired
-    documents; and close to the float64 reference."""
+    running max per row (the same maxima of the same similarities, only grouped otherwise), NaN where the NaN
+    token's document is scored, in every loop that takes them: one document per program (token-split too),
+    several documents' tile loop, runs of whole tiles (bf16; int8 with bit-cast sums and their exact second
+    pass; fp8), ragged and paired documents; and close to the float64 reference."""
     if DEVICE == "cpu" and "fp8" in name and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8_e4m3fn in this torch")
     if DEVICE == "cuda" and "fp8" in name and torch.cuda.get_device_capability() < (8, 9):
@@ -262,9 +254,9 @@ def test_narrow_tail_tiles_score_like_whole_ones(name, build, overrides, monkeyp
 @pytest.mark.parametrize("masked, smooth_tau", [("zero", None), ("exclude", 0.1)],
                          ids=["hard, masked as zero", "smooth"])
 def test_training_forward_on_long_documents_matches_the_reference(masked, smooth_tau, monkeypatch, seed):
-    """The training forward's default for long documents (session 21: 256-row tiles, 3 stages, 16-token tail tiles;
-    8 queries x 32 tokens, 530-token documents ending 18 tokens into a tile), scores and both gradients against the
-    float64 reference, masks included (one SM assumed, so that two documents make enough programs)."""
+    """The training forward's default for long documents (256-row tiles, 3 stages, 16-token tail tiles; 8 queries
+    x 32 tokens, 530-token documents ending 18 tokens into a tile), scores and both gradients against the float64
+    reference, masks included (one SM assumed, so that two documents make enough programs)."""
     monkeypatch.setattr(launch, "_sm_count", lambda: 1)
     monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
@@ -286,7 +278,7 @@ def test_training_forward_on_long_documents_matches_the_reference(masked, smooth
         got.backward(upstream.float())
     meta = next(p.meta for p in launch._FORWARD_PLANS.values() if p.meta["SAVE_AUX"])
     assert (meta["QPB"] * meta["TOKB"], meta["num_stages"], meta["TAIL_N"]) == (256, 3, 16)
-    # session 22: the hard max's arg-max in partial pairs, whole tiles copied by TMA (the interpreter runs both)
+    # the hard max's arg-max in partial pairs, whole tiles copied by TMA (the interpreter runs both)
     assert (meta["ROW_PARTIALS"], meta["TMA_DOCS"]) == ((1, False) if smooth_tau else (8, True))
     torch.testing.assert_close(got.detach().double(), want.detach(), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(q_.grad.double(), q64.grad, rtol=1e-2, atol=2e-2)
@@ -314,7 +306,7 @@ def _first_arg_max(q, d, qm, dm, masked):
                          ids=["300 tokens", "300 tokens, masked as zero", "530 tokens, 16-token tails",
                               "530 tokens, 32-token tails"])
 def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, masked, tail, tma, monkeypatch, seed):
-    """The training forward's default for the hard max (session 22: 8 partial (max, arg-max) pairs per row,
+    """The training forward's default for the hard max (8 partial (max, arg-max) pairs per row,
     ``_fold_arg_partials``), on inputs of small integers (exact products, ties everywhere: within a tile, across
     the partials and across tiles): the saved arg-max is the first maximal token, as PyTorch's max picks it, and
     the scores are the float64 reference's, exactly. Documents of 300 tokens (64-token tiles, a partial last

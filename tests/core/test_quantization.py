@@ -79,8 +79,8 @@ def test_padded_scores_equal_reference_on_dequantized_index(backend, kind, maske
     # queries (quantised alike, queries_as_scored) lies within its format's rounding, |x - x^| <= e(x) (int8: half a
     # step of the scale amax/127, bf16-rounded up: 2^-7 more; e4m3: 2^-4 |x| plus half the subnormal step,
     # 2^-10 scale), so a similarity moves by at most sum_k (e(q)|d| + |q|e(d) + e(q)e(d)) and a score by the sum over
-    # query tokens of their largest such move (a max moves no more than its inputs). A fixed 1% (fp8: 5%) of the
-    # largest score was a statistical margin that a rare draw exceeded (seed 1811354053, int8: 1.03%).
+    # query tokens of their largest such move (a max moves no more than its inputs). This bound holds for every
+    # draw, where a fixed fraction of the largest score is only a statistical margin.
     exact = reference.maxsim(q.double(), d.double(), None, dm, masked=masked)
     q64, d64 = q.double().cpu(), d.double().cpu()
 
@@ -215,7 +215,7 @@ def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layou
 
 @pytest.mark.parametrize("smooth", [None, 0.3])
 def test_int8_products_several_documents_per_program_with_query_splits(smooth, monkeypatch, seed):
-    """What compute-bound int8 scoring launches (session 7): several documents per program while the query's
+    """What compute-bound int8 scoring launches: several documents per program while the query's
     tokens are split over programs (here 16-row tiles: 3 splits of a 40-token query; 5 documents in programs of
     3 and 2), each split quantising its rows once for all its documents; d = 16 is zero-padded to 32 features."""
     from flash_maxsim.kernels import launch
@@ -316,7 +316,7 @@ def test_index_object_bytes_device_and_save_load():
     d = torch.randn(4, 16, 128, dtype=torch.bfloat16)
     qd = fm.quantize(d)
     assert qd.values.dtype == torch.int8 and qd.scales.shape == (4, 16) and qd.scales.dtype == torch.bfloat16
-    # d + 2 bytes per token against 2 d: 0.508x at d = 128 (issue 7: at most 0.53x); fp8 keeps 4-byte scales
+    # d + 2 bytes per token against 2 d: 0.508x at d = 128 (at most 0.53x); fp8 keeps 4-byte scales
     assert qd.nbytes == 4 * 16 * (128 + 2) and qd.nbytes <= 0.53 * d.numel() * d.element_size()
     if hasattr(torch, "float8_e4m3fn"):
         assert fm.quantize(d, dtype="fp8").nbytes == 4 * 16 * (128 + 4)
@@ -407,8 +407,8 @@ def test_index_scales_are_the_quotient_rounded_up_to_bf16(kind, seed):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 def test_an_index_with_fp32_scales_scores_as_its_bf16_twin(backend, kind, layout, seed):
-    """Either format is read with scales of either dtype (an int8 index made before its 2-byte scales has fp32
-    ones; an fp8 index keeps fp32 ones): the same numbers held as bf16 or as fp32 give bit-for-bit the same scores
+    """Either format is read with scales of either dtype (an index made by hand may hold fp32 ones; an fp8 index
+    keeps fp32 ones): the same numbers held as bf16 or as fp32 give bit-for-bit the same scores
     (the bf16 scale converts exactly), on every backend, from one launch plan to the other."""
     if not _backend_ok(backend):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
@@ -646,7 +646,7 @@ def test_fp8_streaming_grid_at_its_real_size(length, monkeypatch, seed):
     """One query against enough fp8 documents to pick the streaming grid (launch.forward_config: >= 2^19 streamed
     tokens), masked, with a document of no valid token: the tile kernel's one-warp programs with uncapped registers
     (the default where the token-rows kernel does not run) score the float64 MaxSim of the dequantised operands
-    (within the fp8 accumulation's bound), as the grid of two-warp programs at 128 registers they replaced does."""
+    (within the fp8 accumulation's bound), as the grid of two-warp programs at 128 registers does."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_docs = 2048
     q = torch.randn(1, 32, 128, generator=g, device="cuda").bfloat16()
@@ -682,7 +682,7 @@ def test_token_rows_kernel_scores_as_the_tile_kernel(kind, length, masked, nq, l
     scores. int8 under the interpreter: bit for bit (its sums are integers below 2^24, exact in fp32 in any order).
     fp8 under the interpreter: within fp32 summation's bound (the kernels' products are transposed matrices of
     each other; OpenBLAS's AVX2 sgemm, which numpy uses on CPUs without AVX-512, may add one similarity's products
-    in another order for each: CI's seed 891121399 differs by an ulp under OPENBLAS_CORETYPE=Haswell).
+    in another order for each, e.g. under OPENBLAS_CORETYPE=Haswell).
     On a GPU the per-query sum may add in another order, and fp8 sums come from other tensor-core instructions."""
     from flash_maxsim.kernels import launch
     _skip_without_kernels_for(kind)
