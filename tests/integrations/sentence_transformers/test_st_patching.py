@@ -109,7 +109,7 @@ def test_enabled_context_manager_keeps_the_previous_state():
 
 def test_flash_maxsim_disable_environment_variable(monkeypatch, flash_calls):
     monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
-    monkeypatch.setattr(fst._integration, "_warned_env", False)
+    monkeypatch.setattr(fst.patching._integration, "_warned_env", False)
     with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
         assert fst.enable() is False
     assert not fst.is_enabled()
@@ -198,7 +198,7 @@ def test_kernel_config_says_what_it_needs(monkeypatch, tmp_path):
     if importlib.util.find_spec("kernels") is None:
         return
     with monkeypatch.context() as patched:
-        patched.setattr(fst, "KERNEL_REPOSITORY", tmp_path / "missing")
+        patched.setattr(fst.kernel_layers, "KERNEL_REPOSITORY", tmp_path / "missing")
         with pytest.raises(FileNotFoundError, match="kernel repository is missing"):
             fst.kernel_config()
     config = fst.kernel_config()
