@@ -52,3 +52,18 @@ def toggle_from_threads():
     """The function ``(integration, *, threads=8, operations=25, seed=0) -> None`` that toggles an integration
     from many threads at once (see ``_toggle_from_threads``)."""
     return _toggle_from_threads
+
+
+@pytest.fixture
+def enable_under_disable_variable(monkeypatch):
+    """The function ``(integration module) -> None`` that sets ``FLASH_MAXSIM_DISABLE=1`` and checks that
+    ``enable()`` then warns, returns False and leaves the integration disabled."""
+
+    def check(module) -> None:
+        monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
+        monkeypatch.setattr(module.enable.__self__, "_warned_env", False)      # the warning comes once
+        with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
+            assert module.enable() is False
+        assert not module.is_enabled()
+
+    return check
