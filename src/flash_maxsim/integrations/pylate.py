@@ -25,6 +25,7 @@ retrievers and the evaluators do. ``rank.rerank`` also takes a compressed candid
 (``flash_maxsim.quantize``). PyLate's own ``backend=`` / ``PYLATE_SCORES_BACKEND`` are then ignored.
 Function objects handed out while enabled (a loss's default ``score_metric``, ``model.similarity``) go back to
 PyLate's own code after ``disable()``.
+
 ``FLASH_MAXSIM_DISABLE=1`` (or ``true``/``yes``/``on``) in the environment makes ``enable()`` a no-op with one warning
 (``flash_maxsim.integrations._patches`` lists the values it takes). ``enable()`` without PyLate installed raises an
 ImportError naming ``pip install "flash-maxsim-kernels[pylate]"``.
