@@ -9,11 +9,20 @@ scores (one zero token and many give the same max).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
 import flash_maxsim
+
+from ._inputs import packed_bounds
+
+
+def document_bounds(index, name: str) -> Tuple[List[int], List[int]]:
+    """``(offsets, lengths)`` of a packed ``QuantizedDocuments`` handed in by a caller, as lists, its offsets
+    checked against its token rows (:func:`packed_bounds`) before anything is read by them."""
+    bounds = packed_bounds(index.offsets, index.values.shape[0], name)
+    return bounds, [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def padded_by_group(lengths: Sequence[int], group_size: int) -> List[bool]:

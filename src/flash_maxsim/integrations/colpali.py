@@ -35,7 +35,10 @@ Semantics kept from the library:
   max then never falls below 0. One zero token appended to exactly those documents reproduces this bit for bit
   (one zero token and many give the same max), so ``batch_size`` still selects which documents those are.
 
-``FLASH_MAXSIM_DISABLE=1`` makes ``enable()`` a no-op; ``disable()`` restores the original objects.
+``FLASH_MAXSIM_DISABLE=1`` (or ``true``/``yes``/``on``) makes ``enable()`` a no-op
+(``flash_maxsim.integrations._patches`` lists the values it takes); ``disable()`` restores the original objects, also
+in colpali_engine modules imported while enabled. ``enable()`` without colpali-engine raises an ImportError naming
+``pip install "flash-maxsim-kernels[colpali]"``.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ import torch.nn.functional as F
 
 import flash_maxsim
 
-from ._patches import Integration, PatchSet
-from ._quantized import padded_by_group, with_zero_tokens
+from ._inputs import check_rank, shape_of
+from ._patches import Integration, PatchSet, import_toolkit
+from ._quantized import document_bounds, padded_by_group, with_zero_tokens
 
 __all__ = ["enable", "disable", "is_enabled", "enabled", "SUPPORTED"]
 
@@ -109,10 +113,9 @@ def _inbatch_scores(self, query_embeddings: torch.Tensor, doc_embeddings: torch.
 
 def _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings):
     """Query ``b`` against its positive ``positives[b]`` -> ``[B]`` and its negatives -> ``[B, N]``."""
-    if not isinstance(neg_doc_embeddings, torch.Tensor) or neg_doc_embeddings.dim() != 4:
-        # the library's einsum refuses anything else; a 3-D tensor would otherwise read as all-pairs documents
-        raise ValueError(f"`neg_doc_embeddings` has shape {list(getattr(neg_doc_embeddings, 'shape', []))}; "
-                         "expected [batch_size, num_negs, neg_doc_length, dim]")
+    # the library's einsum refuses anything but 4-D negatives; a 3-D tensor would otherwise read as all-pairs
+    # documents
+    check_rank(neg_doc_embeddings, 4, "neg_doc_embeddings", "[batch_size, num_negs, neg_doc_length, dim]")
     tau = _smooth_tau(self)
     pos_scores = _late_interaction(query_embeddings, positives.unsqueeze(1), tau)[:, 0]
     neg_scores = _late_interaction(query_embeddings, neg_doc_embeddings, tau)
@@ -158,24 +161,28 @@ def _sigmoid_forward(self, query_embeddings, doc_embeddings, offset: int = 0):
     return F.softplus(-logits * labels).mean()
 
 
-def _negative_ce_forward(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset: int = 0):
-    positives = doc_embeddings[offset: offset + neg_doc_embeddings.size(0)]
+def _with_negatives_loss(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset, positives_count,
+                         in_batch_loss):
+    """The loss of the two losses with explicit negatives: softplus of each negative's margin over the positive,
+    mixed with ``in_batch_loss`` by ``in_batch_term_weight``."""
+    positives = doc_embeddings[offset: offset + positives_count]
     pos_scores, neg_scores = _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings)
     loss = F.softplus((neg_scores - pos_scores.unsqueeze(1)) / self.temperature).mean()
     if self.in_batch_term_weight > 0:
-        in_batch = self.inner_loss(query_embeddings, doc_embeddings, offset)
+        in_batch = in_batch_loss(query_embeddings, doc_embeddings, offset)
         loss = loss * (1 - self.in_batch_term_weight) + in_batch * self.in_batch_term_weight
     return loss
+
+
+def _negative_ce_forward(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset: int = 0):
+    # the library slices the positives by the negatives' batch, the pairwise variant by the queries'
+    return _with_negatives_loss(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset,
+                                neg_doc_embeddings.size(0), self.inner_loss)
 
 
 def _pairwise_negative_ce_forward(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset: int = 0):
-    positives = doc_embeddings[offset: offset + query_embeddings.size(0)]
-    pos_scores, neg_scores = _positive_and_negative_scores(self, query_embeddings, positives, neg_doc_embeddings)
-    loss = F.softplus((neg_scores - pos_scores.unsqueeze(1)) / self.temperature).mean()
-    if self.in_batch_term_weight > 0:
-        in_batch = self.inner_pairwise(query_embeddings, doc_embeddings, offset)
-        loss = loss * (1 - self.in_batch_term_weight) + in_batch * self.in_batch_term_weight
-    return loss
+    return _with_negatives_loss(self, query_embeddings, doc_embeddings, neg_doc_embeddings, offset,
+                                query_embeddings.size(0), self.inner_pairwise)
 
 
 # --- utils.maxsim dispatch (0.3.17+) --------------------------------------------------------------------------------
@@ -204,7 +211,7 @@ def _check_passages(ps, queries: torch.Tensor) -> None:
         name = "`ps`" if tensor else f"`ps[{i}]`"
         want = "[n_passages, sequence_length, dim]" if tensor else "[sequence_length, dim]"
         if not isinstance(p, torch.Tensor) or p.dim() != (3 if tensor else 2):
-            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            got = shape_of(p) if isinstance(p, torch.Tensor) else type(p).__name__
             raise ValueError(f"{name} is {got}; expected a {want} tensor"
                              + ("" if tensor else " (or pass one padded [n, max_length, dim] tensor)"))
         if p.dtype != queries.dtype:
@@ -272,15 +279,14 @@ def _quantized_chunks(ps, batch_size: int, device) -> Iterator[object]:
     scores are the library's on the dequantised passages."""
     if ps.offsets is None:
         if ps.values.dim() != 3:
-            raise ValueError(f"quantized `ps` has values of shape {list(ps.values.shape)}; expected padded "
+            raise ValueError(f"quantized `ps` has values of shape {shape_of(ps.values)}; expected padded "
                              "[n_passages, sequence_length, dim] or packed (quantize a list of passages)")
         for part in _padded_slices(ps.values.shape[0], ps.values.shape[1]):
             yield flash_maxsim.QuantizedDocuments(
                 ps.values[part], ps.scales[part], None, None if ps.mask is None else ps.mask[part],
                 None, ps.kind).to(device)
         return
-    bounds = ps.offsets.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    bounds, lengths = document_bounds(ps, "ps")
     extra = padded_by_group(lengths, batch_size)
     for start, stop in _chunk_ranges(lengths, extra):
         yield with_zero_tokens(ps, bounds, extra, start, stop, device)
@@ -334,12 +340,8 @@ _MODULE_HELPERS = ("_apply_normalization", "_get_idx", "_filter_high_negatives",
 
 
 def _install(patches: PatchSet) -> None:
-    try:
-        from colpali_engine.loss import late_interaction_losses as losses
-        from colpali_engine.utils import processing_utils
-    except ImportError as error:
-        raise ImportError("flash_maxsim.integrations.colpali needs colpali-engine (pip install colpali-engine); "
-                          f"importing it failed: {error}") from error
+    losses = import_toolkit("colpali_engine.loss.late_interaction_losses", "colpali-engine", "colpali")
+    processing_utils = import_toolkit("colpali_engine.utils.processing_utils", "colpali-engine", "colpali")
     version = _version()
     shown = "unknown" if version is None else ".".join(map(str, version))
     supported = " to ".join(".".join(map(str, v)) for v in SUPPORTED)

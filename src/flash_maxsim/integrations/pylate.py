@@ -26,6 +26,10 @@ retrievers and the evaluators do. ``rank.rerank`` also takes a compressed candid
 Function objects handed out while enabled (a loss's default ``score_metric``, ``model.similarity``) go back to
 PyLate's own code after ``disable()``.
 
+``FLASH_MAXSIM_DISABLE=1`` (or ``true``/``yes``/``on``) in the environment makes ``enable()`` a no-op with one warning
+(``flash_maxsim.integrations._patches`` lists the values it takes). ``enable()`` without PyLate installed raises an
+ImportError naming ``pip install "flash-maxsim-kernels[pylate]"``.
+
 Not enabled, PyLate >= 1.5.1 on CUDA takes this package for the PyPI project ``flash-maxsim`` (the same import
 name) as its own "flash" backend; the names it imports then raise PyLate's ``FlashUnsupported`` (also an
 ``ImportError``), so ``backend="auto"`` falls back to PyLate's next backend with one warning
@@ -34,20 +38,22 @@ name) as its own "flash" backend; the names it imports then raise PyLate's ``Fla
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 import sys
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 import flash_maxsim
 from flash_maxsim import reference
 
-from ._patches import Integration, PatchSet
-from ._quantized import padded_by_group, with_zero_tokens
+from ._inputs import as_mask, as_tensor, check_rank, length_mask, shape_of
+from ._patches import Integration, PatchSet, import_toolkit
+from ._quantized import document_bounds, padded_by_group, with_zero_tokens
 
 logger = logging.getLogger("flash_maxsim")
 
@@ -61,54 +67,36 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---------------------------------------------------------------------------------------------------- inputs
 
-def _as_tensor(name: str, x) -> torch.Tensor:
-    """PyLate's ``convert_to_tensor`` rules: tensors as they are, numpy arrays without copy, a list of arrays or
-    of lists as float32, a list of tensors stacked."""
-    if isinstance(x, torch.Tensor):
-        return x
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with every PyLate install
-        np = None
-    if np is not None and isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
-    if isinstance(x, (list, tuple)):
-        if len(x) == 0:
-            return torch.tensor([], dtype=torch.float32)
-        first = x[0]
-        if isinstance(first, torch.Tensor):
-            return torch.stack(list(x))
-        if np is not None and isinstance(first, np.ndarray):
-            return torch.from_numpy(np.array(x, dtype=np.float32))
-        if isinstance(first, (list, tuple)):
-            return torch.tensor(x, dtype=torch.float32)
-    raise TypeError(f"`{name}` must be a torch.Tensor, a numpy array or a list of them (or of lists), "
-                    f"got {type(x).__name__}")
+# PyLate's ``convert_to_tensor`` rules: tensors as they are, numpy arrays as views, a list of tensors stacked, a list
+# of arrays or of lists as float32
+_convert = functools.partial(as_tensor, lists_dtype=torch.float32)
 
 
-def _shape(x: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in x.shape) + "]"
-
-
-def _check_dim(name: str, x: torch.Tensor, dims: int, layout: str) -> None:
-    if x.dim() != dims:
-        raise ValueError(f"`{name}` has shape {_shape(x)}; expected {layout}")
-
-
-def _as_mask(name: str, mask) -> Optional[torch.Tensor]:
+def _binary_mask(mask, name: str) -> Optional[torch.Tensor]:
     """A PyLate mask (0/1 numbers or bool) as a tensor. PyLate multiplies by the mask, so a value other than 0
     or 1 would weight the similarities: flash_maxsim has no such weighting. A CPU mask holding such a value is
     refused; a mask on a GPU is not read here, because reading it would wait for the device on every call
-    (0.15-0.25 ms per call on an H100, benchmarks/pylate_inference_probe.py): there, as in flash_maxsim.maxsim,
-    every nonzero entry marks a valid token. PyLate's own masks are bool."""
-    if mask is None:
-        return None
-    mask = _as_tensor(name, mask)
-    if mask.dtype != torch.bool and mask.device.type == "cpu" and mask.numel() \
+    (about 0.2 ms per call on an H100): there, as in flash_maxsim.maxsim, every nonzero entry marks a valid
+    token. PyLate's own masks are bool."""
+    mask = as_mask(mask, name, lists_dtype=torch.float32)
+    if mask is not None and mask.dtype != torch.bool and mask.device.type == "cpu" and mask.numel() \
             and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"`{name}` holds values other than 0 and 1; PyLate's masks are 0/1 (a weighted mask "
                          "is not supported)")
     return mask
+
+
+def _embeddings(queries_embeddings, documents_embeddings, backend, masked: str,
+                documents_rank: int, documents_layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The arguments every scorer checks: ``backend``, ``masked``, queries ``[Nq, Lq, H]`` and documents of
+    ``documents_rank`` dimensions, as tensors."""
+    _check_backend(backend)
+    _check_masked(masked)
+    Q = _convert(queries_embeddings, "queries_embeddings")
+    D = _convert(documents_embeddings, "documents_embeddings")
+    check_rank(Q, 3, "queries_embeddings", "[Nq, Lq, H]")
+    check_rank(D, documents_rank, "documents_embeddings", documents_layout)
+    return Q, D
 
 
 def _check_backend(backend) -> None:
@@ -170,13 +158,8 @@ def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, 
     Returns:
         ``[Nq, B]`` scores, float32 (float64 for float64 inputs).
     """
-    _check_backend(backend)
-    _check_masked(masked)
-    Q = _as_tensor("queries_embeddings", queries_embeddings)
-    D = _as_tensor("documents_embeddings", documents_embeddings)
-    _check_dim("queries_embeddings", Q, 3, "[Nq, Lq, H]")
-    _check_dim("documents_embeddings", D, 3, "[B, Ld, H]")
-    return _maxsim(Q, D, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
+    Q, D = _embeddings(queries_embeddings, documents_embeddings, backend, masked, 3, "[B, Ld, H]")
+    return _maxsim(Q, D, _binary_mask(queries_mask, "queries_mask"), _binary_mask(documents_mask, "documents_mask"),
                    masked)
 
 
@@ -195,29 +178,25 @@ def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=Non
     Returns:
         ``[Nq, K]`` scores.
     """
-    _check_backend(backend)
-    _check_masked(masked)
-    Q = _as_tensor("queries_embeddings", queries_embeddings)
-    D = _as_tensor("documents_embeddings", documents_embeddings)
-    _check_dim("queries_embeddings", Q, 3, "[Nq, Lq, H]")
-    _check_dim("documents_embeddings", D, 4, "[Nq, K, Ld, H] (each query's own candidates)")
+    Q, D = _embeddings(queries_embeddings, documents_embeddings, backend, masked, 4,
+                       "[Nq, K, Ld, H] (each query's own candidates)")
     if D.shape[0] != Q.shape[0]:
-        raise ValueError(f"`documents_embeddings` has shape {_shape(D)}; expected [Nq, K, Ld, H] with "
+        raise ValueError(f"`documents_embeddings` has shape {shape_of(D)}; expected [Nq, K, Ld, H] with "
                          f"Nq={Q.shape[0]} as in `queries_embeddings`")
-    return _maxsim(Q, D, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
+    return _maxsim(Q, D, _binary_mask(queries_mask, "queries_mask"), _binary_mask(documents_mask, "documents_mask"),
                    masked)
 
 
 def _rows(name: str, x) -> List[torch.Tensor]:
     """A batch given as a padded ``[B, L, H]`` array or as a list of ``[L_i, H]`` items -> list of tensors."""
     if isinstance(x, (list, tuple)):
-        rows = [_as_tensor(f"{name}[{i}]", item) for i, item in enumerate(x)]
+        rows = [_convert(item, f"{name}[{i}]") for i, item in enumerate(x)]
     else:
-        t = _as_tensor(name, x)
-        _check_dim(name, t, 3, "[B, L, H] or a list of [L_i, H]")
+        t = _convert(x, name)
+        check_rank(t, 3, name, "[B, L, H] or a list of [L_i, H]")
         rows = list(t.unbind(0))
     for i, r in enumerate(rows):
-        _check_dim(f"{name}[{i}]", r, 2, "[L, H]")
+        check_rank(r, 2, f"{name}[{i}]", "[L, H]")
     return rows
 
 
@@ -237,7 +216,7 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: O
     if isinstance(queries_embeddings, torch.Tensor) and isinstance(documents_embeddings, torch.Tensor) \
             and queries_embeddings.dim() == 3 and documents_embeddings.dim() == 3:
         if queries_embeddings.shape[0] != documents_embeddings.shape[0]:
-            raise ValueError(f"`documents_embeddings` has shape {_shape(documents_embeddings)}; expected as many "
+            raise ValueError(f"`documents_embeddings` has shape {shape_of(documents_embeddings)}; expected as many "
                              f"documents as queries ({queries_embeddings.shape[0]})")
         # the per-query candidate layout with one candidate each: [B, 1, Ld, H] -> [B, 1]
         return _maxsim(queries_embeddings, documents_embeddings.unsqueeze(1), None, None, "exclude")[:, 0]
@@ -250,17 +229,13 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: O
         return torch.zeros(0, dtype=torch.float32)
     device = queries[0].device
     documents = [d.to(device) for d in documents]
-    q_mask = _length_mask([q.shape[0] for q in queries], device)
-    d_mask = _length_mask([d.shape[0] for d in documents], device)
+    q_lengths, d_lengths = [q.shape[0] for q in queries], [d.shape[0] for d in documents]
+    q_mask = length_mask(q_lengths, max(q_lengths), device)
+    d_mask = length_mask(d_lengths, max(d_lengths), device)
     Q = torch.nn.utils.rnn.pad_sequence(queries, batch_first=True)
     D = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True)
     # padding added here is excluded, so each pair sees exactly its own tokens
     return _maxsim(Q, D.unsqueeze(1), q_mask, d_mask.unsqueeze(1), "exclude")[:, 0]
-
-
-def _length_mask(lengths: Sequence[int], device) -> torch.Tensor:
-    lengths_t = torch.tensor(list(lengths), device=device)
-    return torch.arange(max(lengths), device=device)[None, :] < lengths_t[:, None]
 
 
 class FlashColBERTScores:
@@ -292,22 +267,20 @@ class FlashColBERTScores:
 
 def _grouped_scores(queries_embeddings, documents_embeddings, queries_mask, documents_mask, backend,
                     masked: str) -> torch.Tensor:
-    _check_backend(backend)
-    D = _as_tensor("documents_embeddings", documents_embeddings)
+    D = _convert(documents_embeddings, "documents_embeddings")
     if D.dim() == 3:
-        return colbert_scores(queries_embeddings, D, queries_mask, documents_mask, masked=masked)
-    Q = _as_tensor("queries_embeddings", queries_embeddings)
-    _check_dim("queries_embeddings", Q, 3, "[Q, Lq, H]")
-    _check_dim("documents_embeddings", D, 4, "[D, N, Ld, H] (stacked document groups) or [D, Ld, H]")
+        return colbert_scores(queries_embeddings, D, queries_mask, documents_mask, backend, masked=masked)
+    Q, D = _embeddings(queries_embeddings, D, backend, masked, 4,
+                       "[D, N, Ld, H] (stacked document groups) or [D, Ld, H]")
     groups, per_group, Ld, H = D.shape
-    dmask = _as_mask("documents_mask", documents_mask)
+    dmask = _binary_mask(documents_mask, "documents_mask")
     if dmask is not None:
         if tuple(dmask.shape) != (groups, per_group, Ld):
-            raise ValueError(f"`documents_mask` has shape {_shape(dmask)}; expected [{groups}, {per_group}, {Ld}] "
+            raise ValueError(f"`documents_mask` has shape {shape_of(dmask)}; expected [{groups}, {per_group}, {Ld}] "
                              "as `documents_embeddings` [D, N, Ld, H]")
         dmask = dmask.reshape(groups * per_group, Ld)
     # [D, N, Ld, H] -> [D*N, Ld, H]: document j*N + k is group j's k-th slot, which is PyLate's column order
-    return _maxsim(Q, D.reshape(groups * per_group, Ld, H), _as_mask("queries_mask", queries_mask), dmask,
+    return _maxsim(Q, D.reshape(groups * per_group, Ld, H), _binary_mask(queries_mask, "queries_mask"), dmask,
                    masked)
 
 
@@ -336,7 +309,7 @@ def _make_rerank(original: Callable) -> Callable:
         results = []
         for i, (query, ids, candidates) in enumerate(zip(queries_embeddings, documents_ids, documents_embeddings)):
             if isinstance(candidates, flash_maxsim.QuantizedDocuments):
-                results.append(_rerank_quantized(f"queries_embeddings[{i}]", query, ids, candidates, device))
+                results.append(_rerank_quantized(i, query, ids, candidates, device))
             else:
                 results.extend(original([ids], [query], [candidates], device))
         return results
@@ -344,17 +317,18 @@ def _make_rerank(original: Callable) -> Callable:
     return rerank
 
 
-def _rerank_quantized(name: str, query, ids, index, device) -> list:
+def _rerank_quantized(i: int, query, ids, index, device) -> list:
+    """Query ``i``'s candidates given as a quantized index, ranked."""
+    if index.offsets is not None:
+        bounds, lengths = document_bounds(index, f"documents_embeddings[{i}]")
     if index.num_documents != len(ids):
         raise ValueError(f"a quantized candidate index holds {index.num_documents} documents but "
                          f"`documents_ids` lists {len(ids)} for that query")
-    query = _as_tensor(name, query)
-    _check_dim(name, query, 2, "[Lq, H]")
+    query = _convert(query, f"queries_embeddings[{i}]")
+    check_rank(query, 2, f"queries_embeddings[{i}]", "[Lq, H]")
     device = device if device is not None else query.device
     query = query.to(device)
     if index.offsets is not None:
-        bounds = index.offsets.tolist()
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         # PyLate pads all of a query's candidates together, to the longest
         index = with_zero_tokens(index, bounds, padded_by_group(lengths, max(len(lengths), 1)), 0, len(lengths),
                                  device)
@@ -410,7 +384,7 @@ def _translating_property(base: property, replacements: List[Tuple[Callable, Cal
 
 
 def _install(patches: PatchSet) -> None:
-    scores = importlib.import_module("pylate.scores")  # ImportError when PyLate is not installed
+    scores = import_toolkit("pylate.scores", "PyLate", "pylate")
     for name in _PYLATE_MODULES:
         try:
             importlib.import_module(name)

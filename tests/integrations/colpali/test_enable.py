@@ -8,11 +8,11 @@ import logging
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
 
-import flash_maxsim
 from colpali_engine.loss import late_interaction_losses as losses
 from colpali_engine.utils import processing_utils
 from flash_maxsim.integrations import colpali as flash_colpali
@@ -54,6 +54,34 @@ def test_enable_patches_exactly_the_expected_objects_and_disable_restores_them(h
     assert processing_utils.BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu").shape == (1, 1)
 
 
+def test_disable_restores_names_copied_by_modules_imported_while_enabled(has_dispatch, monkeypatch):
+    if not has_dispatch:
+        pytest.skip("colpali-engine < 0.3.17 has no module-level MaxSim functions to import by name")
+    from colpali_engine.utils import maxsim as dispatch
+
+    originals = dispatch.maxsim_inbatch, dispatch.maxsim_kd
+    flash_colpali.enable()
+    late = types.ModuleType("colpali_engine.imported_while_enabled")
+    exec("from colpali_engine.utils.maxsim import maxsim_inbatch, maxsim_kd", late.__dict__)
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    assert late.maxsim_inbatch is flash_colpali._maxsim_inbatch
+    flash_colpali.disable()
+    assert (late.maxsim_inbatch, late.maxsim_kd) == originals
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_toggling_from_many_threads_leaves_a_consistent_state(toggle_from_threads, seed):
+    """8 threads calling enable/disable/is_enabled/enabled at random: no exception, is_enabled() agrees with
+    whether any patch is installed, and disable() restores every object."""
+    flash_colpali.enable()                                    # loads every module enable() imports
+    flash_colpali.disable()
+    before = snapshot_library()
+    toggle_from_threads(flash_colpali, seed=seed)
+    assert bool(changed(before, snapshot_library())) == flash_colpali.is_enabled()
+    flash_colpali.disable()
+    assert changed(before, snapshot_library()) == set()
+
+
 def test_enabled_context_manager_restores_the_previous_state():
     before = snapshot_library()
     with flash_colpali.enabled():
@@ -81,13 +109,9 @@ def test_one_info_line_names_what_was_patched(caplog, has_dispatch):
     assert "ColbertNegativeCELoss.forward" in message
 
 
-def test_flash_maxsim_disable_makes_enable_a_no_op(monkeypatch, calls, generator):
-    monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
-    monkeypatch.setattr(flash_colpali._integration, "_warned_env", False)
+def test_flash_maxsim_disable_makes_enable_a_no_op(enable_under_disable_variable, calls, generator):
     before = snapshot_library()
-    with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
-        assert flash_colpali.enable() is False
-    assert not flash_colpali.is_enabled()
+    enable_under_disable_variable(flash_colpali)
     assert changed(before, snapshot_library()) == set()
     batch = loss_batch(generator)
     losses.ColbertLoss()(*[batch.padded(batch.leaves())[k] for k in ("q", "d")])
@@ -124,9 +148,10 @@ def test_a_newer_release_is_patched_with_a_warning(monkeypatch):
         assert flash_colpali.enable() is True
 
 
-def test_missing_colpali_engine_is_a_clear_import_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "colpali_engine.loss", None)
-    with pytest.raises(ImportError, match="needs colpali-engine"):
+def test_missing_colpali_engine_is_an_import_error_with_the_install_command(monkeypatch):
+    for name in [n for n in sys.modules if n.startswith("colpali_engine")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r'needs colpali-engine: pip install "flash-maxsim-kernels\[colpali\]"'):
         flash_colpali.enable()
     assert not flash_colpali.is_enabled()
 

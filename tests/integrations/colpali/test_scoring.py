@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -196,7 +198,7 @@ def test_dispatch_functions(generator, has_dispatch, calls, monkeypatch):
 @pytest.mark.parametrize("batch_size", [2, 128])
 def test_quantized_passages_score_as_the_library_on_the_dequantized_ones(layout, batch_size, generator, calls,
                                                                           monkeypatch):
-    """A compressed index (issue 7): ``score_multi_vector(qs, flash_maxsim.quantize(ps))`` after enable() gives
+    """A compressed index: ``score_multi_vector(qs, flash_maxsim.quantize(ps))`` after enable() gives
     the library's scores on the dequantised passages and the queries as an int8 index scores them (quantised per
     token: docs/semantics.md), the library's per-batch zero padding included (a zero token with scale 0 in the
     packed index), chunk boundaries included."""
@@ -229,3 +231,15 @@ def test_quantized_passages_with_another_dim_name_the_argument(generator):
     index = flash_maxsim.quantize([torch.randn(4, 8, generator=generator)])
     with flash_colpali.enabled(), pytest.raises(ValueError, match="quantized `ps`.*dim 8"):
         BaseVisualRetrieverProcessor.score_multi_vector(qs, index, device="cpu")
+
+
+@pytest.mark.parametrize("offsets, message", [([0, 3, 200], "end at 200 but the index holds 8"),
+                                              ([0, 5, 3, 8], "decrease at document 1"),
+                                              ([2, 3, 8], "start at 0")])
+def test_a_quantized_index_with_inconsistent_offsets_is_refused_before_scoring(generator, calls, offsets, message):
+    qs = [torch.randn(3, 16, generator=generator)]
+    index = copy.copy(flash_maxsim.quantize([torch.randn(n, 16, generator=generator) for n in (3, 5)]))
+    index.offsets = torch.tensor(offsets)
+    with flash_colpali.enabled(), pytest.raises(ValueError, match=f"`ps` offsets .*{message}"):
+        BaseVisualRetrieverProcessor.score_multi_vector(qs, index, device="cpu")
+    assert calls.flash == 0

@@ -1,4 +1,4 @@
-"""Shared setup of the PyLate integration tests (CPU in CI on PyLate 1.6.0 and 1.3.4; GPU on the device).
+"""Shared setup of the PyLate integration tests (CPU on PyLate 1.6.0 and 1.3.4; GPU tests on CUDA).
 
 - No model hub: HF_HUB_OFFLINE=1 before anything imports huggingface_hub.
 - PyLate's own torch path is the baseline everywhere: PYLATE_SCORES_BACKEND=torch (PyLate >= 1.5 would

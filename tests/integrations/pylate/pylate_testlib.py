@@ -123,8 +123,8 @@ def assert_same_step(got, expected, tolerance=1e-4):
         # fp32 summation order differs between the scorers; some gradients are zero in exact arithmetic
         # (attention key biases) and only carry rounding noise, hence the floor tied to the largest gradient
         scale = expected_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0, atol=tolerance * scale + tolerance / 100 * overall,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0,
+                                   atol=tolerance * scale + tolerance / 100 * overall, msg=lambda m: f"{name}: {m}")
 
 
 def three_ways(model, make_loss, flash_metric, features, labels, flash_calls, tolerance=1e-4):

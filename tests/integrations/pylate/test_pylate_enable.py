@@ -1,6 +1,7 @@
 """enable()/disable(): what gets routed through flash_maxsim, exact restore, idempotence, FLASH_MAXSIM_DISABLE,
 nothing at import."""
 
+import copy
 import logging
 import os
 import subprocess
@@ -41,9 +42,14 @@ def _snapshot():
     return state
 
 
+def _changed(before, after):
+    """The objects of ``before`` that ``after`` holds another of (an equal copy counts as the same)."""
+    return [k for k in before if before[k] is not after.get(k) and before[k] != after.get(k)]
+
+
 def _assert_same(before, after):
     assert before.keys() <= after.keys()
-    changed = [k for k in before if before[k] is not after[k] and before[k] != after[k]]
+    changed = _changed(before, after)
     assert not changed, f"not restored: {changed[:5]}"
 
 
@@ -91,13 +97,9 @@ def test_enable_is_idempotent_and_enabled_restores_previous_state():
     _assert_same(before, _snapshot())
 
 
-def test_flash_maxsim_disable_environment_makes_enable_a_no_op(monkeypatch, flash_calls):
-    monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
-    monkeypatch.setattr(flash_pylate._integration, "_warned_env", False)
+def test_flash_maxsim_disable_environment_makes_enable_a_no_op(enable_under_disable_variable, flash_calls):
     before = _snapshot()
-    with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
-        assert flash_pylate.enable() is False
-    assert not flash_pylate.is_enabled()
+    enable_under_disable_variable(flash_pylate)
     _assert_same(before, _snapshot())
     Q, D, dmask = _data()
     lib.pylate_colbert_scores(Q, D, None, dmask)
@@ -185,7 +187,7 @@ def test_functions_handed_out_while_enabled_go_back_to_pylate_after_disable(flas
 
 
 def test_rerank_takes_a_quantized_candidate_index(flash_calls):
-    """A query's candidates may be a compressed index (issue 7): ``flash_maxsim.quantize`` of the candidate list
+    """A query's candidates may be a compressed index: ``flash_maxsim.quantize`` of the candidate list
     (packed) or of a padded tensor. Rankings and scores are PyLate's own on the dequantised candidates and the
     query as an int8 index scores it (quantised per token: docs/semantics.md), its zero padding included; the
     other queries of the same call keep PyLate's path."""
@@ -247,3 +249,41 @@ def test_rerank_takes_one_query_as_a_2d_array_with_a_quantized_index(as_array):
                                  documents_embeddings=[index])
     assert len(got) == 1 and [r["id"] for r in got[0]] == [r["id"] for r in expected[0]]
     assert [r["score"] for r in got[0]] == pytest.approx([r["score"] for r in expected[0]], abs=2e-5)
+
+
+@pytest.mark.parametrize("offsets, message", [([0, 3, 200], "end at 200 but the index holds 10"),
+                                              ([0, 7, 10], None), ([0, 8, 2, 10], "decrease at document 1")])
+def test_rerank_checks_the_offsets_of_a_quantized_index(offsets, message, flash_calls):
+    import flash_maxsim
+
+    index = copy.copy(flash_maxsim.quantize([torch.randn(3, 16), torch.randn(7, 16)]))
+    index.offsets = torch.tensor(offsets)
+    ids = [[str(i) for i in range(len(offsets) - 1)]]
+    with flash_pylate.enabled():
+        if message is None:                  # other valid bounds: scored as the documents they delimit
+            assert len(pylate.rank.rerank(documents_ids=ids, queries_embeddings=[torch.randn(4, 16)],
+                                          documents_embeddings=[index])[0]) == 2
+            return
+        with pytest.raises(ValueError, match=rf"`documents_embeddings\[0\]` offsets .*{message}"):
+            pylate.rank.rerank(documents_ids=ids, queries_embeddings=[torch.randn(4, 16)],
+                               documents_embeddings=[index])
+    assert flash_calls.calls == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_toggling_from_many_threads_leaves_a_consistent_state(toggle_from_threads, seed):
+    """8 threads calling enable/disable/is_enabled/enabled at random: no exception, is_enabled() agrees with
+    whether any patch is installed, and disable() restores every object."""
+    before = _snapshot()
+    toggle_from_threads(flash_pylate, seed=seed)
+    assert bool(_changed(before, _snapshot())) == flash_pylate.is_enabled()
+    flash_pylate.disable()
+    _assert_same(before, _snapshot())
+
+
+def test_missing_pylate_is_an_import_error_with_the_install_command(monkeypatch):
+    for name in [n for n in sys.modules if n == "pylate" or n.startswith("pylate.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r'needs PyLate: pip install "flash-maxsim-kernels\[pylate\]"'):
+        flash_pylate.enable()
+    assert not flash_pylate.is_enabled()

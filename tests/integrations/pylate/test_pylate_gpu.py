@@ -1,6 +1,6 @@
-"""On CUDA (the device): the Triton kernels behind the PyLate scorers give PyLate's torch-path numbers, and one
-training step of each loss is the same three ways, on a small random BERT built here (the real MiniLM package
-is too large to carry to the device). Skipped without CUDA.
+"""On CUDA: the Triton kernels behind the PyLate scorers give PyLate's torch-path numbers, and one training step
+of each loss is the same three ways, on a small random BERT built here (no model package needed). Skipped
+without CUDA.
 
     pytest tests/integrations/pylate/test_pylate_gpu.py
 """
@@ -138,8 +138,7 @@ def test_enable_with_pylate_default_backend_on_cuda(cuda_model, monkeypatch, fla
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32], ids=["bool", "int64", "float32"])
 def test_scorers_never_wait_for_the_device(mask_dtype, twice_second_without_sync):
     """colbert_scores / FlashColBERTScores with masks of any dtype enqueue their work without synchronising with
-    the device (a 0/1 check of a GPU mask would: 0.15-0.25 ms per call, benchmarks/pylate_inference_probe.py),
-    and give PyLate's numbers."""
+    the device (a 0/1 check of a GPU mask would), and give PyLate's numbers."""
     g = torch.Generator().manual_seed(91)
     Q = lib.embeddings((4, 32, 128), g, side=+1, device="cuda", dtype=torch.bfloat16)
     D = lib.embeddings((12, 90, 128), g, side=-1, device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """The multi-vector evaluators report the same metrics with and without enable(), and flash_maxsim really scores.
 
-NanoBEIR normally downloads its datasets from the Hugging Face Hub, which this machine cannot reach: the
+NanoBEIR normally downloads its datasets from the Hugging Face Hub; the tests run offline, so the
 evaluator runs here with its loader replaced by a tiny in-memory dataset (two "subsets" of the corpus below), so
 the NanoBEIR aggregation and its per-subset IR evaluators run unchanged on offline data.
 """

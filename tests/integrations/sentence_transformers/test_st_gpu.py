@@ -1,8 +1,8 @@
 """On CUDA (the Triton kernels, not the CPU path): scores, gradients, devices, losses and an evaluator equal
 sentence-transformers' own on the same device. Skipped without CUDA.
 
-The MiniLM package is too large to carry to the GPU machine: the model tests use a small random BERT
-MultiVectorEncoder built offline (st_cases.build_tiny_encoder).
+The model tests use a small random BERT MultiVectorEncoder built offline (st_cases.build_tiny_encoder), so
+that they need no model package.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def test_kernel_config_model_on_cuda(tiny_directory, kernel_devices):
 
 def test_enable_takes_over_a_use_kernels_model_on_cuda(tiny_directory, kernel_devices):
     """A use_kernels model on CUDA would fetch late-interaction-kernels from the Hub for MaxSim; enabled,
-    flash_maxsim scores instead and the Hub kernels are never configured (this machine has no network).
+    flash_maxsim scores instead and the Hub kernels are never configured (the tests run offline).
     Built on the CPU and then moved: built on CUDA, transformers kernelizes the backbone at once and, offline,
     fails fetching its activation kernels from the Hub (before any scorer exists). The scorer configures its
     kernels per device at the first score, so the moved model's scores on CUDA take the same route."""

@@ -16,7 +16,6 @@ flowing back through the last layer, which is compared).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flash_maxsim.integrations import sentence_transformers as fst
 

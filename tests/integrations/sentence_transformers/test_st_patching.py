@@ -107,12 +107,8 @@ def test_enabled_context_manager_keeps_the_previous_state():
     _assert_all_original()
 
 
-def test_flash_maxsim_disable_environment_variable(monkeypatch, flash_calls):
-    monkeypatch.setenv("FLASH_MAXSIM_DISABLE", "1")
-    monkeypatch.setattr(fst._integration, "_warned_env", False)
-    with pytest.warns(UserWarning, match="FLASH_MAXSIM_DISABLE"):
-        assert fst.enable() is False
-    assert not fst.is_enabled()
+def test_flash_maxsim_disable_environment_variable(enable_under_disable_variable, flash_calls):
+    enable_under_disable_variable(fst)
     _assert_all_original()
     with fst.enabled():
         assert not fst.is_enabled()
@@ -198,8 +194,30 @@ def test_kernel_config_says_what_it_needs(monkeypatch, tmp_path):
     if importlib.util.find_spec("kernels") is None:
         return
     with monkeypatch.context() as patched:
-        patched.setattr(fst, "KERNEL_REPOSITORY", tmp_path / "missing")
+        patched.setattr(fst.kernel_layers, "KERNEL_REPOSITORY", tmp_path / "missing")
         with pytest.raises(FileNotFoundError, match="kernel repository is missing"):
             fst.kernel_config()
     config = fst.kernel_config()
     assert config.use_local_kernel and set(config.kernel_mapping) == {"STMaxSim", "STMaxSimPairwise"}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_toggling_from_many_threads_leaves_a_consistent_state(toggle_from_threads, seed):
+    """8 threads calling enable/disable/is_enabled/enabled at random: no exception, is_enabled() agrees with
+    whether the functions are replaced, and disable() restores every object."""
+    toggle_from_threads(fst, seed=seed)
+    replaced = [(module, attribute) for module, attribute in ALIASES
+                if _current(module, attribute) is not ORIGINAL[attribute]]
+    assert len(replaced) == (len(ALIASES) if fst.is_enabled() else 0)
+    fst.disable()
+    _assert_all_original()
+
+
+def test_missing_sentence_transformers_is_an_import_error_with_the_install_command(monkeypatch):
+    for name in [n for n in sys.modules if n == "sentence_transformers" or n.startswith("sentence_transformers.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r'pip install "flash-maxsim-kernels\[sentence-transformers\]"'):
+        fst.enable()
+    with pytest.raises(ImportError, match=r'pip install "flash-maxsim-kernels\[sentence-transformers\]"'):
+        fst.kernel_config()
+    assert not fst.is_enabled()

@@ -128,7 +128,8 @@ def test_scoring_functions_equal_sentence_transformers(embeddings, mask_config, 
 
 
 def test_model_similarity_routes_through_flash(model, mask_config, flash_calls):
-    """The session model was built before enable(): its stored scoring function is sentence-transformers'."""
+    """A model built before enable() (its stored scoring function is sentence-transformers') scores through
+    flash_maxsim once enabled."""
     queries, documents = model.encode_query(QUERIES), model.encode_document(DOCUMENTS)
     for fn_name in ("maxsim", "meanmaxsim"):
         saved = model.similarity_fn_name
