@@ -33,7 +33,7 @@ ImportError naming ``pip install "flash-maxsim-kernels[pylate]"``.
 Not enabled, PyLate >= 1.5.1 on CUDA takes this package for the PyPI project ``flash-maxsim`` (the same import
 name) as its own "flash" backend; the names it imports then raise PyLate's ``FlashUnsupported`` (also an
 ``ImportError``), so ``backend="auto"`` falls back to PyLate's next backend with one warning
-(:func:`_other_project_fallback`).
+(``flash_maxsim._name_clash``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import importlib
 import inspect
 import logging
 import sys
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -430,44 +429,6 @@ def _install(patches: PatchSet) -> None:
             base = inspect.getattr_static(model_class, attribute, None)
             if isinstance(base, property):
                 patches.patch(model_class, attribute, _translating_property(base, replacements))
-
-
-# ------------------------------------------------------------------------------ PyLate's own "flash" backend
-
-_OTHER_PROJECT_MESSAGE = (
-    "PyLate's scoring backend 'flash' imports the PyPI project `flash-maxsim`, but the `flash_maxsim` installed "
-    "here is flash-maxsim-kernels (the same import name), which does not have `{name}`. With backend='auto' "
-    "PyLate falls back to its next backend (late-interaction-kernels if installed, else its torch path). To "
-    "score with flash_maxsim, call flash_maxsim.integrations.pylate.enable() or pass its scorer objects; to "
-    "choose PyLate's torch path outright, set PYLATE_SCORES_BACKEND=torch. PyLate's flash backend now counts as "
-    "not installed for this process.")
-_fallback_classes: dict = {}
-_fallback_warned = False
-
-
-def _other_project_fallback(name: str) -> ImportError:
-    """The error for PyLate's ``from flash_maxsim import <the other project's function>`` (PyLate >= 1.5.1, not
-    enabled): an ImportError that is also PyLate's ``FlashUnsupported``, the one exception its ``backend="auto"``
-    falls back on (``backend="flash"`` re-raises it). Warns once per process, and sets PyLate's record of the
-    flash backend's availability to False, so that PyLate skips that backend from then on."""
-    global _fallback_warned
-    message = _OTHER_PROJECT_MESSAGE.format(name=name)
-    if not _fallback_warned:
-        _fallback_warned = True
-        warnings.warn(message, UserWarning, stacklevel=4)
-    flash_backend = sys.modules.get("pylate.scores._flash_backend")
-    if getattr(flash_backend, "_IMPORT_OK", None) is True:
-        # PyLate's own cache of "flash-maxsim is importable", which it got wrong: corrected, later calls skip its
-        # flash backend instead of converting masks to lengths on every call before falling back here
-        flash_backend._IMPORT_OK = False
-    unsupported = getattr(flash_backend, "FlashUnsupported", None)
-    if not (isinstance(unsupported, type) and issubclass(unsupported, Exception)):
-        return ImportError(message, name=name)
-    cls = _fallback_classes.get(unsupported)
-    if cls is None:
-        cls = type("NotTheFlashMaxsimProject", (unsupported, ImportError), {"__module__": __name__})
-        _fallback_classes[unsupported] = cls
-    return cls(message, name=name)
 
 
 def _parameters(function) -> dict:

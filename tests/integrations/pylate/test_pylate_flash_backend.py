@@ -15,6 +15,7 @@ flash_backend = pytest.importorskip("pylate.scores._flash_backend", reason="PyLa
 
 from pylate.scores import colbert as pylate_colbert  # noqa: E402
 
+from flash_maxsim import _name_clash  # noqa: E402
 from flash_maxsim.integrations import pylate as flash_pylate  # noqa: E402
 
 import pylate_testlib as lib  # noqa: E402
@@ -26,7 +27,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch):
     monkeypatch.delenv("PYLATE_SCORES_BACKEND", raising=False)
-    monkeypatch.setattr(flash_pylate, "_fallback_warned", False)
+    monkeypatch.setattr(_name_clash, "_fallback_warned", False)
     # the backend after "flash" is PyLate's choice (late-interaction-kernels where installed): pin its torch path,
     # whose numbers the tests compare with
     monkeypatch.setattr(pylate_colbert, "_try_lik", lambda backend, *tensors: False)
