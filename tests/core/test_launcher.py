@@ -7,7 +7,6 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
-import triton
 
 from flash_maxsim.kernels import direct_launch, launch, tuning
 
