@@ -1,22 +1,24 @@
-"""A/B of the hard-max backward kernels against a baseline copy of them, in one device run: the benchmark's
-hard-max training rows (ColBERT in-batch B128 and B64 + 7 negatives, ColPali B64 and B256, KD 64 x 64
-candidates), the baseline's backward, this checkout's default and override variants of it timed in interleaved
-rounds (so that clock drift hits every entry alike); medians of the rounds' medians. Each entry is the backward
-alone (``kernels.launch.backward`` on one saved arg-max and upstream gradient), both gradients unless its label
-says ``dQ`` or ``dD``; with ``--graph`` captured in a CUDA graph and replayed (the GPU's time, without the host's
+"""A/B of the hard-max backward kernels against a baseline copy of them, in one process: the benchmark's hard-max
+training rows (ColBERT in-batch B128 and B64 + 7 negatives, ColPali B64 and B256, KD 64 x 64 candidates), the
+baseline's backward, this checkout's default and override variants of it timed in interleaved rounds (so that clock
+drift hits every entry alike); medians of the rounds' medians. Each entry is the backward alone
+(``kernels.launch.backward`` on one saved arg-max and upstream gradient), both gradients unless its label says
+``dQ`` or ``dD``; with ``--graph`` captured in a CUDA graph and replayed (the GPU's time, without the host's
 launches, as the benchmark's "GPU time" of a step).
 
-    python benchmarks/ab_forward.py --extract HEAD .ab/base          # here; .ab is git-ignored, carried
-    python benchmarks/ab_backward.py --base .ab/base --graph [--rows B64]    # on the GPU
+    python tools/ab_forward.py --extract HEAD .ab/base              # .ab is git-ignored
+    python tools/ab_backward.py --base .ab/base --graph [--rows B64] [--variants 0,3]
 
-Each entry's gradients are checked against the baseline's first, outside the timed call (relative to their
-largest magnitude: 1e-2, a few units of bf16 rounding, since the kernels sum in other orders). Not the published
-benchmark (benchmarks/bench.py times whole training steps with the peers).
+The variants are ``kernels.tuning.override_backward`` fields. Each entry's gradients are checked against the
+baseline's first, outside the timed call (relative to their largest magnitude: 1e-2, a few units of bf16 rounding,
+since the kernels sum in other orders). Not the published benchmark (benchmarks/bench.py times whole training steps
+with the peers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -32,31 +34,22 @@ ROWS = [("ColBERT in-batch B128 32x300", 128, 128, 32, 300, 0),
         ("ColPali in-batch B256 32x1030", 256, 256, 32, 1030, 0),
         ("KD 64 x 64 candidates 32x300", 64, 64, 32, 300, 64)]
 
-# session 23: the hard-max dQ as a gather of ROWS x COLS document rows per step (0-6: the tile, warps, stages), the
-# dD binned by token block inside its block programs (7-11: warps, 128-token blocks, 32-entry chunks, 2 stages),
-# both (12-14), and the dense dD beside the gather in separate launches (15; device call 2 timed 0-15 eagerly,
-# run44/call2_ab_bwd.txt, with a conversion of the gradients inside each timed call: ratios diluted). Variant 16
-# became the default (its binned dD since with int16 entry ids, the token gathered again); the sorted dD is gone.
+# the hard-max dQ as a gather of DQ_ROWS x DQ_COLS document rows per step (its tile, warps, stages); the dD binned
+# by token block inside its block programs (warps, 128-token blocks, 32-entry chunks, 2 stages, register caps); both;
+# the dense dD beside the gather in separate launches
 _G = {"DQ_METHOD": "gather"}
 _B = {"DD_METHOD": "binned"}
-VARIANTS = [_G, {**_G, "DQ_STAGES": 2}, {**_G, "DQ_ROWS": 2}, {**_G, "DQ_ROWS": 8}, {**_G, "DQ_WARPS": 8},
-            {**_G, "DQ_ROWS": 8, "DQ_WARPS": 8}, {**_G, "DQ_ROWS": 16, "DQ_COLS": 8, "DQ_WARPS": 8},
+VARIANTS = [_G, {**_G, "DQ_STAGES": 2}, {**_G, "DQ_ROWS": 2}, {**_G, "DQ_ROWS": 16}, {**_G, "DQ_WARPS": 8},
+            {**_G, "DQ_ROWS": 16, "DQ_COLS": 8, "DQ_WARPS": 8}, {**_G, "DQ_ROWS": 8, "DQ_COLS": 16, "DQ_WARPS": 8},
             _B, {**_B, "DD_WARPS": 8}, {**_B, "DD_BLOCK_N": 128, "DD_WARPS": 8}, {**_B, "DD_CHUNK": 32},
-            {**_B, "DD_STAGES": 2},
-            {**_G, **_B}, {**_G, **_B, "DD_WARPS": 8}, {**_G, "DQ_WARPS": 8, **_B},
-            {**_G, "FUSED": False, "DD_METHOD": "dense"},
-            # 16-19 (after call 2, where 8 rows x 8 columns beat 4 x 16): 8 x 8 with the binned dD, and its 32-entry
-            # chunks; 16 x 4; 8 x 16 on 8 warps
-            {**_G, "DQ_ROWS": 8, **_B}, {**_G, "DQ_ROWS": 8, **_B, "DD_CHUNK": 32},
-            {**_G, "DQ_ROWS": 16, **_B}, {**_G, "DQ_ROWS": 8, "DQ_COLS": 16, "DQ_WARPS": 8, **_B},
-            # 20 (session 24): the binned dD's registers capped at 128, for 4 programs of 4 warps per SM instead of 3
-            # (167 registers uncapped; offline sm_90 at 128: 136 B of stack at B64 + 7 negatives, 224 at B256, 536
-            # instructions per chunk loop against 516): the default since (run45/call2_ab_dd_cap.txt); 21: uncapped
-            {**_B, "DD_MAXNREG": 128}, {**_B, "DD_MAXNREG": 0},
-            # 22 (session 25): capped at 96, for 5 programs per SM: 1.05-1.31x the cap of 128's dD on 13 of 14 shapes
-            # (0.99 on ColPali B256). A cap of 80 (6 per SM) stopped ptxas with an internal error on every shape.
-            {**_B, "DD_MAXNREG": 96}]
+            {**_B, "DD_STAGES": 2}, {**_B, "DD_MAXNREG": 0}, {**_B, "DD_MAXNREG": 96},
+            {**_G, "FUSED": False, "DD_METHOD": "dense"}, {"DD_METHOD": "dense"}]
 
+
+def _overrides(variant):
+    """A context of ``variant``'s backward overrides (None: the baseline, whose own defaults stand)."""
+    from flash_maxsim.kernels import tuning
+    return contextlib.nullcontext() if variant is None else tuning.override_backward(**variant)
 
 
 def graphed(fn):
@@ -73,31 +66,29 @@ def graphed(fn):
     return graph
 
 def time_entries(entries, wants, rounds: int, graph: bool, tol: float = 1e-2) -> dict:
-    """``part -> {label -> [ms per round]}`` for ``entries`` of ``(label, part, run, before)``: ``run(check)`` launches the
-    backward and, with ``check``, returns its gradients flattened to fp32 (compared with ``wants[part]`` before the
-    first round); ``before`` (or None) sets the entry's overrides. With ``graph``, each entry's launches are captured
-    once in a CUDA graph and its replay is timed. An entry that fails is timed as inf under a label naming the
-    error."""
+    """``part -> {label -> [ms per round]}`` for ``entries`` of ``(label, part, run, variant)``: ``run(check)``
+    launches the backward and, with ``check``, returns its gradients flattened to fp32 (compared with
+    ``wants[part]`` before the first round), under ``variant``'s overrides (None: none). With ``graph``, each
+    entry's launches are captured once in a CUDA graph and its replay is timed. An entry that fails is timed as inf
+    under a label naming the error."""
     import triton.testing
     timed, times = {}, {part: {} for part in wants}
-    for label, part, run, before in entries:
-        if before is not None:
-            before()
+    for label, part, run, variant in entries:
         try:
-            got = run(True)
-            err = (got - wants[part]).abs().max().item() / max(wants[part].abs().max().item(), 1e-30)
-            if not err <= tol:
-                raise AssertionError(f"gradients differ from the baseline's (relative {err:.1e})")
-            fn = lambda run=run: run(False)  # noqa: E731
-            timed[part, label] = (graphed(fn).replay if graph else fn, before)
+            with _overrides(variant):
+                got = run(True)
+                err = (got - wants[part]).abs().max().item() / max(wants[part].abs().max().item(), 1e-30)
+                if not err <= tol:
+                    raise AssertionError(f"gradients differ from the baseline's (relative {err:.1e})")
+                fn = lambda run=run: run(False)  # noqa: E731
+                timed[part, label] = (graphed(fn).replay if graph else fn, variant)
         except Exception as exc:
             times[part][f"{label} [{type(exc).__name__}: {str(exc)[:80]}]"] = [float("inf")]
     for _ in range(rounds):
-        for (part, label), (fn, before) in timed.items():
-            if before is not None:
-                before()
-            times[part].setdefault(label, []).append(
-                triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+        for (part, label), (fn, variant) in timed.items():
+            with _overrides(variant):
+                times[part].setdefault(label, []).append(
+                    triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
     return times
 
 
@@ -140,7 +131,6 @@ def main(argv=None) -> int:
         q = torch.randn(Nq, Lq, 128, device="cuda", dtype=torch.bfloat16)
         docs = torch.randn(*((Nq, K, Ld, 128) if K else (T, Ld, 128)), device="cuda", dtype=torch.bfloat16)
         p = _layout.canonicalize(q, docs)
-        launch.BACKWARD_OVERRIDES.clear()
         _, aux = launch.forward(p.queries, p.documents, None, None, None, p.candidates, False, None, True,
                                 p.max_length)
         g = torch.randn(aux.shape[:2], device="cuda")
@@ -155,25 +145,16 @@ def main(argv=None) -> int:
                     return torch.cat([x.flatten().float() for x in (dq, dd) if x is not None])
             return run
 
-        def overrides(v):
-            def before():
-                launch.BACKWARD_OVERRIDES.clear()
-                launch.BACKWARD_OVERRIDES.update(v)
-            return before
-
         labelled = [(f"base {revision}", base, None), ("default", launch, {})]
         labelled += [(f"{i} {VARIANTS[i]}", launch, VARIANTS[i]) for i in picked]
-        entries = [(label, "both", runner(lm, "both"), None if v is None else overrides(v))
-                   for label, lm, v in labelled]
+        entries = [(label, "both", runner(lm, "both"), v) for label, lm, v in labelled]
         if args.parts is not None:
             shown = [(f"base {revision}", base, None), ("default", launch, {})]
             shown += [(f"{i} {VARIANTS[int(i)]}", launch, VARIANTS[int(i)]) for i in args.parts.split(",") if i]
             for part in ("dQ", "dD"):
-                entries += [(f"{part} {label}", part, runner(lm, part), None if v is None else overrides(v))
-                            for label, lm, v in shown]
+                entries += [(f"{part} {label}", part, runner(lm, part), v) for label, lm, v in shown]
         wants = {part: runner(base, part)(True) for part in ("both", "dQ", "dD")}
         times = time_entries(entries, wants, args.rounds, args.graph)
-        launch.BACKWARD_OVERRIDES.clear()
         print(f"--- {name} (backward alone, ms; ratio to the baseline's):", flush=True)
         for part, sub in times.items():
             if sub:

@@ -6,8 +6,8 @@ arrives and summarised over a window of time (one timed pass).
         t0 = time.monotonic(); run_the_row(); t1 = time.monotonic()
         print(clocks.summary(t0, t1))   # "SM 1980 MHz (min 1755), 512 W (max 690), 61 C, throttled: sw_power_cap 40%"
 
-Used by ``ab_forward.py --clocks`` (the device plan's int8 1x10k 1024x1024 spread: docs/perf-notes.md). Where
-``nvidia-smi`` is missing or fails, the summary says so and the benchmark runs on.
+Used by ``ab_forward.py --clocks`` (a GPU at its power cap slows some passes of a long row). Where ``nvidia-smi`` is
+missing or fails, the summary says so and the benchmark runs on.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
-"""Kernel developer's round on the GPU: correctness of every kernel variant against the float64 reference,
-then forward and training-step timings against eager PyTorch. One call does a whole round.
+"""Kernel developer's round on the GPU: correctness of every kernel variant against the float64 reference, then
+forward and training-step timings against eager PyTorch, and optional sweeps of tile variants (kernels/tuning.py's
+overrides). One call does a whole round.
 
-    python benchmarks/kernel_check.py [--quick] [--json OUT.json]
+    python tools/kernel_check.py [--quick] [--json OUT.json] [--fwd-sweep] [--sweep] [--int8] [--host] ...
 
-Not the published benchmark (that is benchmarks/bench.py, with peers and the roofline).
+Not the published benchmark (that is benchmarks/bench.py, with peers and the roofline). The options that time the
+peers import benchmarks/_peers.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -17,6 +21,10 @@ import torch
 
 import flash_maxsim as fm
 from flash_maxsim import reference
+from flash_maxsim.kernels import tuning
+
+# the peers' adapters (benchmarks/_peers.py), for the options that time them
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 def rel_err(a, b):
@@ -68,14 +76,16 @@ def correctness(dev, full):
                 q = torch.randn(4, 24, 128, device=dev, dtype=dt)
                 docs = torch.randn(4, K, 90, 128, device=dev, dtype=dt)
                 dm = torch.rand(4, K, 90, device=dev) > 0.3
-                oks.append(check_case(f"{dt} {masked} tau=None paired 4x{K}", q, docs, None, dm, masked, None, tol[dt]))
+                oks.append(check_case(f"{dt} {masked} tau=None paired 4x{K}", q, docs, None, dm, masked, None,
+                                      tol[dt]))
                 oks.append(check_case(f"{dt} {masked} tau=0.1 paired 4x{K}", q, docs, None, dm, masked, 0.1, tol[dt]))
                 ragged = [torch.randn(n, 128, device=dev, dtype=dt) for n in (5, 300, 0, 77, 1)]
                 oks.append(check_case(f"{dt} {masked} ragged list", q, ragged, None, None, masked, None, tol[dt]))
                 packed = fm.pack([torch.randn(n, 96, device=dev, dtype=dt) for n in (65, 3, 129)])
                 vals = packed.values.detach().requires_grad_()
                 qq = torch.randn(3, 9, 96, device=dev, dtype=dt, requires_grad=True)
-                out = fm.maxsim(qq, fm.PackedDocuments(vals, packed.offsets, packed.max_length), masked=masked, smooth_tau=0.2)
+                out = fm.maxsim(qq, fm.PackedDocuments(vals, packed.offsets, packed.max_length), masked=masked,
+                                smooth_tau=0.2)
                 ref_in = fm.PackedDocuments(vals.detach().double().requires_grad_(), packed.offsets)
                 q64 = qq.detach().double().requires_grad_()
                 ref = reference.maxsim(q64, (ref_in.values, ref_in.offsets), masked=masked, smooth_tau=0.2)
@@ -83,7 +93,8 @@ def correctness(dev, full):
                 (out * g).sum().backward(); (ref * g.double()).sum().backward()
                 e = (rel_err(out, ref), rel_err(qq.grad, q64.grad), rel_err(vals.grad, ref_in.values.grad))
                 ok = max(e) <= tol[dt]
-                print(f"{'ok ' if ok else 'BAD'} {str(dt) + ' ' + masked + ' packed smooth':60s} fwd={e[0]:.1e} dq={e[1]:.1e} dd={e[2]:.1e}")
+                print(f"{'ok ' if ok else 'BAD'} {str(dt) + ' ' + masked + ' packed smooth':60s} fwd={e[0]:.1e} "
+                      f"dq={e[1]:.1e} dd={e[2]:.1e}")
                 oks.append(ok)
     torch.set_float32_matmul_precision("highest")
     return all(oks)
@@ -111,53 +122,50 @@ FORWARD_SHAPES = [  # (Nq, B, Lq, Ld, d)
 ]
 
 
+# forward tile variants (tuning.override_forward's fields), each against the default ({})
 SWEEP = [{}, {"num_warps": 8}, {"BLOCK_N": 128}, {"BLOCK_N": 32}, {"num_stages": 3}, {"num_stages": 4},
          {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-         {"ROWS": 256, "num_warps": 8}, {"ROWS": 256, "BLOCK_N": 128, "num_warps": 8}, {"ROWS": 64}, {"PEEL_TAIL": False},
-         {"ROWS": 256, "num_warps": 8, "PEEL_TAIL": False}]
+         {"ROWS": 256, "num_warps": 8}, {"ROWS": 256, "BLOCK_N": 128, "num_warps": 8}, {"ROWS": 64},
+         {"PEEL_TAIL": False}, {"ROWS": 256, "num_warps": 8, "PEEL_TAIL": False}]
 
 
 def forward_sweep(fn, variants):
-    """(median ms, variant) of ``fn`` under each launch.FORWARD_OVERRIDES variant; one that does not compile or
-    fit is recorded as inf with its error instead of stopping the sweep."""
-    from flash_maxsim.kernels import launch
+    """(median ms, variant) of ``fn`` under each forward override variant; one that does not compile or fit is
+    recorded as inf with its error instead of stopping the sweep."""
     res = []
-    try:
-        for v in variants:
-            launch.FORWARD_OVERRIDES.clear()
-            launch.FORWARD_OVERRIDES.update(v)
+    for v in variants:
+        with tuning.override_forward(**v):
             try:
                 res.append((bench(fn), v))
             except Exception as e:
                 res.append((float("inf"), {**v, "error": type(e).__name__}))
-    finally:
-        launch.FORWARD_OVERRIDES.clear()
     return res
+
+
+def _variant(variant):
+    """A context of the forward and backward overrides of ``variant`` ({"fwd": {...}, "bwd": {...}}; None: none)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(tuning.override_forward(**(variant or {}).get("fwd", {})))
+    stack.enter_context(tuning.override_backward(**(variant or {}).get("bwd", {})))
+    return stack
 
 
 BANDWIDTH_ROWS = [(1, 1000, 32, 300, 128), (1, 10000, 32, 300, 128), (1, 10000, 32, 1030, 128),
                   (1, 1000, 32, 1024, 128), (1, 10000, 32, 180, 384), (1, 5000, 31, 257, 96)]
-# session 3's first sweep also tried BLOCK_N 128 (2 or 3 stages), BLOCK_N 32 with 4 stages, 4 stages, 8 warps:
-# all slower on the first two rows (docs/perf-notes.md)
-# session 5: several documents per program (one loop over all their tiles), score written by a branch or a mask
+# one query streaming many documents: documents per program; tiles, warps and stages; warps alone
 BANDWIDTH_SWEEP = [{}, {"DOCS": 2}, {"DOCS": 4}]
-# session 7: the 32x1030 row trailed flash-maxsim 0.3.0 by 0.3% in every round (run 11: 0.596 vs 0.594 ms), whose
-# autotuner also tries 16/32-token tiles on 2 warps. (Run 12 also tried the document loads with
-# eviction_policy="evict_first": 0.5826 vs 0.5824 ms, no gain; the constexpr was removed again.)
 BANDWIDTH_SWEEP_WIDE = BANDWIDTH_SWEEP + [
     {"num_warps": 2}, {"BLOCK_N": 32}, {"BLOCK_N": 32, "num_warps": 2},
     {"BLOCK_N": 32, "num_stages": 4}, {"BLOCK_N": 32, "num_warps": 2, "num_stages": 4}, {"num_stages": 4},
     {"num_stages": 2}, {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_warps": 8}, {"PEEL_TAIL": True}]
-# the wide sweep's outcome (run 12, 32x1030): 2 warps 0.580 ms unmasked (peers 0.581 / 0.582, 4 warps 0.582) and
-# 0.598 masked (4 warps 0.630); the "warps" list below checked it on every bandwidth row (run 12, second call)
 BANDWIDTH_SWEEP_WARPS = [{"num_warps": 4}, {"num_warps": 2}, {"num_warps": 2, "num_stages": 4},
                          {"num_warps": 2, "BLOCK_N": 32}, {"num_warps": 2, "DOCS": 2}]
 BANDWIDTH_VARIANTS = {"default": BANDWIDTH_SWEEP, "wide": BANDWIDTH_SWEEP_WIDE, "warps": BANDWIDTH_SWEEP_WARPS}
 
 
 def bandwidth_rows(dev, rounds=3, only="", variants="default"):
-    """The one-query, bandwidth-bound rows (issue 2's closest to the peers): tile variants and both peers' forward,
-    timed in interleaved rounds so that clock drift hits every entry alike; median of the rounds' medians."""
+    """The one-query, bandwidth-bound rows: tile variants and both peers' forward, timed in interleaved rounds so
+    that clock drift hits every entry alike; median of the rounds' medians."""
     import statistics
 
     from _peers import PEER_KEYS, load_peers
@@ -187,15 +195,14 @@ def bandwidth_rows(dev, rounds=3, only="", variants="default"):
         del q, docs
 
 
-# session 9: grids sized to PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents in one
-# loop (persistent-style), on every forward row and issue 7's int8 rows
+# grids sized to PROGRAMS_PER_SM programs per SM, each scoring an equal share of the documents in one loop
+# (persistent-style), on every forward row and the int8 rows
 PERSIST_SWEEP = [{}, {"PROGRAMS_PER_SM": 1}, {"PROGRAMS_PER_SM": 2}, {"PROGRAMS_PER_SM": 4},
                  {"PROGRAMS_PER_SM": 8}, {"PROGRAMS_PER_SM": 16}]
 INT8_ROWS = [(1, 10000, 32, 300), (1, 10000, 32, 1030), (1, 10000, 1024, 1024)]
 
 
-# session 9, on the int8 grids of 8 / 16 programs per SM: tiles, warps (the 1024x1024 row ran at 2 blocks of 4
-# warps per SM, register-bound, ALU the busiest pipe at 60%: device call 1, ncu), stages, grid sizes
+# the int8 grids: tiles, warps, stages, grid sizes
 INT8_TILE_SWEEP = [{}, {"PROGRAMS_PER_SM": 6}, {"PROGRAMS_PER_SM": 12}, {"PROGRAMS_PER_SM": 32}, {"num_stages": 2},
                    {"num_stages": 4}, {"BLOCK_N": 64}, {"BLOCK_N": 128}, {"num_warps": 4}, {"num_warps": 8},
                    {"ROWS": 64, "BLOCK_N": 128, "PROGRAMS_PER_SM": 16}]
@@ -233,7 +240,8 @@ def forward_table(dev, quick, sweep):
             variants = SWEEP + ([{"BLOCK_D": 512, "D_CHUNKS": 1, "BLOCK_N": 32},
                                  {"BLOCK_D": 512, "D_CHUNKS": 1, "BLOCK_N": 16}] if d > 256 else [])
             res = forward_sweep(lambda: fm.maxsim(q, docs), variants)
-            print(f"sweep {Nq}x{B} {Lq}x{Ld} d={d}: " + "  ".join(f"{t:.3f}:{v}" for t, v in sorted(res, key=lambda r: r[0])[:4]), flush=True)
+            print(f"sweep {Nq}x{B} {Lq}x{Ld} d={d}: "
+                  + "  ".join(f"{t:.3f}:{v}" for t, v in sorted(res, key=lambda r: r[0])[:4]), flush=True)
         ours = bench(lambda: fm.maxsim(q, docs))
         sim_bytes = Nq * B * Lq * Ld * 2
         eager = bench(lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1)) \
@@ -243,28 +251,20 @@ def forward_table(dev, quick, sweep):
         rows.append(dict(shape=f"{Nq}x{B} {Lq}x{Ld} d={d}", ours_ms=ours, eager_ms=eager,
                          tflops=flops / ours / 1e9, tbps=nbytes / ours / 1e9))
         r = rows[-1]
-        print(f"{r['shape']:28s} ours {ours:8.3f} ms  eager {eager:8.3f} ms  {r['tflops']:6.1f} TFLOP/s  {r['tbps']:5.2f} TB/s", flush=True)
+        print(f"{r['shape']:28s} ours {ours:8.3f} ms  eager {eager:8.3f} ms  {r['tflops']:6.1f} TFLOP/s  "
+              f"{r['tbps']:5.2f} TB/s", flush=True)
         del q, docs
     return rows
 
 
-# session 9: dQ and dD in one launch (FUSED), its stages, without the dQ column split; earlier sweeps (the dD's
-# gradient split, stages, sorted dD, forward tiles, dD tiles and warps, a gathered-hits dD) are in
-# benchmarks/results/run14, run16 and run17
+# training-step variants ({"fwd": forward overrides, "bwd": backward overrides}): dQ and dD in one launch or two,
+# its stages, no dQ column split; the binned dD's stages and blocks; the smooth max's tiles loaded twice
+# (RELOAD_TILE); the arg-max forward's tiles
 TRAIN_SWEEP = [{}, {"bwd": {"DD_METHOD": "dense"}}, {"bwd": {"DD_METHOD": "dense", "FUSED": False}},
                {"bwd": {"DD_METHOD": "dense", "FUSED_STAGES": 2}}, {"bwd": {"DQ_PARTIAL_BYTES": 0}},
-               # the hard-max dD binned by block in each block's program (kernels/backward.py,
-               # maxsim_bwd_dd_binned_kernel; session 23 replaced session 16's sorted dD with it): its chunk loop
-               # unpipelined or on 2 stages, blocks of 64 tokens on 4 warps (the default) or 128 on 8
                {"bwd": {"DD_METHOD": "binned"}}, {"bwd": {"DD_METHOD": "binned", "DD_STAGES": 2}},
                {"bwd": {"DD_METHOD": "binned", "DD_BLOCK_N": 128, "DD_WARPS": 8}},
-               # session 19 (untimed): the smooth max's gradients load each streamed tile once for their two products;
-               # RELOAD_TILE loads it twice as before (offline sm_90, unmasked: dQ 652 against 730 instructions per
-               # tile, 64 against 96 KB of shared memory; dD 747 against 837)
                {"bwd": {"RELOAD_TILE": True}},
-               # session 20: the arg-max forward's tiles (ncu, B64 + 7 negatives: forward 231 us of the step's ~460,
-               # ~350 TFLOP/s against ~460 when only scoring 64x1k): 3 stages, 256 rows on 8 warps, 8 warps,
-               # 128-token tiles (run 14 swept these before the 32-bit arg-max; none was faster then)
                {"fwd": {"num_stages": 3}}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_warps": 8}},
                {"fwd": {"BLOCK_N": 128}}]
 
@@ -328,10 +328,8 @@ def train_table(dev, sweep=False, only=""):
                                 True, True)
             res = []
             for v in TRAIN_SWEEP:
-                launch.FORWARD_OVERRIDES.clear(); launch.FORWARD_OVERRIDES.update(v.get("fwd", {}))
-                launch.BACKWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.update(v.get("bwd", {}))
-                res.append((bench(ours), peak_mb(ours), bench(dd_only), bench(backward_only), v))
-            launch.FORWARD_OVERRIDES.clear(); launch.BACKWARD_OVERRIDES.clear()
+                with _variant(v):
+                    res.append((bench(ours), peak_mb(ours), bench(dd_only), bench(backward_only), v))
             print(f"train-sweep {name}: " + "  ".join(f"step {t:.3f}ms/{m:.0f}MB dD {dd:.3f}ms bwd {bw:.3f}ms:{v}"
                                                       for t, m, dd, bw, v in res), flush=True)
             del aux
@@ -343,7 +341,8 @@ def train_table(dev, sweep=False, only=""):
         q.grad = None
         docs.grad = None
         rows.append(row)
-        print(f"{name:32s} ours {row['ours_ms']:7.3f} ms {row['ours_mb']:8.1f} MB   eager {row['eager_ms']:7.3f} ms {row['eager_mb']:9.1f} MB", flush=True)
+        print(f"{name:32s} ours {row['ours_ms']:7.3f} ms {row['ours_mb']:8.1f} MB   eager {row['eager_ms']:7.3f} ms "
+              f"{row['eager_mb']:9.1f} MB", flush=True)
         del q, docs
         torch.cuda.empty_cache()
     return rows
@@ -351,23 +350,16 @@ def train_table(dev, sweep=False, only=""):
 
 TRAIN_AB = [{}, {"bwd": {"FUSED": False}}, {"bwd": {"FUSED": True}},
             {"bwd": {"FUSED": True, "DQ_PARTIAL_BYTES": 0}}, {"bwd": {"DD_METHOD": "binned"}}]
-# the forward that saves the arg-max for the backward (session 15): 128-row programs of 4 warps and 2 stages by
-# default; 256-row programs on 8 warps (what the compute-bound inference rows use), 3 stages
+# the forward that saves the arg-max for the backward: 256-row programs on 8 warps (what the compute-bound
+# inference rows use), 3 stages
 TRAIN_AB_FWD = [{}, {"fwd": {"ROWS": 256, "num_warps": 8}}, {"fwd": {"num_stages": 3}},
                 {"fwd": {"ROWS": 256, "num_warps": 8, "num_stages": 3}}, {"fwd": {"num_warps": 8}}]
 
 
-def _set_overrides(variant):
-    from flash_maxsim.kernels import launch
-    for table, key in ((launch.FORWARD_OVERRIDES, "fwd"), (launch.BACKWARD_OVERRIDES, "bwd")):
-        table.clear()
-        table.update((variant or {}).get(key, {}))
-
-
 def train_ab(dev, rounds=7, variants=None):
-    """The small (host-bound) training steps, ours under each variant (TRAIN_AB: {"fwd": FORWARD_OVERRIDES,
-    "bwd": BACKWARD_OVERRIDES}) and both peers', interleaved round by round so that the host's drift hits all
-    alike; medians. Each variant's scores and gradients are compared with the default's first."""
+    """The small (host-bound) training steps, ours under each variant (TRAIN_AB: {"fwd": forward overrides, "bwd":
+    backward overrides}) and both peers', interleaved round by round so that the host's drift hits all alike;
+    medians. Each variant's scores and gradients are compared with the default's first."""
     import statistics
     from _peers import PEER_KEYS, load_peers
     variants = TRAIN_AB if variants is None else variants
@@ -385,10 +377,10 @@ def train_ab(dev, rounds=7, variants=None):
         for label, (variant, _) in steps.items():
             if variant is None:
                 continue
-            _set_overrides(variant)
             q.grad = docs.grad = None
-            s = fm.maxsim(q, docs)
-            loss_of(s).backward()
+            with _variant(variant):
+                s = fm.maxsim(q, docs)
+                loss_of(s).backward()
             out = (s.detach().float(), q.grad.float(), docs.grad.float())
             s = None        # a live autograd graph keeps the leaves' AccumulateGrad nodes, which breaks a capture
             first = first or out
@@ -399,29 +391,27 @@ def train_ab(dev, rounds=7, variants=None):
         times = {k: [] for k in steps}
         for _ in range(rounds):
             for label, (variant, fn) in steps.items():
-                _set_overrides(variant)
-                times[label].append(bench(fn))
-        _set_overrides(None)
+                with _variant(variant):
+                    times[label].append(bench(fn))
         # every step (ours under each variant, the peers') captured in a CUDA graph and replayed: the GPU's time
         # without the host's launches
         graphed = {}
         for label, (variant, fn) in steps.items():
-            _set_overrides(variant)
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
+                with _variant(variant):
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
                         fn()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
                 graphed[label] = bench(graph.replay)
             except Exception as exc:     # a peer whose step does not capture: say so
                 graphed[label] = f"no graph ({type(exc).__name__})"
             q.grad = docs.grad = None
-        _set_overrides(None)
         print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
                                                   for k, v in graphed.items()), flush=True)
         print(f"train-ab {name}: " + "  ".join(f"{statistics.median(t):.3f}:{k}" for k, t in times.items()),
@@ -442,28 +432,25 @@ def fp32_table(dev):
         docs = torch.randn(B, Ld, d, device=dev)
         eager = bench(lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1))
         res = forward_sweep(lambda: fm.maxsim(q, docs), FP32_SWEEP)
-        print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res), flush=True)
+        print(f"fp32 {Nq}x{B} {Lq}x{Ld} d={d}: torch {eager:.3f} ms; " + "  ".join(f"{t:.3f}:{v}" for t, v in res),
+              flush=True)
 
 
-# session 4's sweep also tried, converting int8 to bf16 in registers: 128-token tiles, 4 stages (both), 8 warps,
-# 32-token tiles, no peeled tail: all within 0.85-1.1x of the default; session 5's: 4 documents per program, the
-# scales loaded one tile ahead (docs/perf-notes.md, session 5)
+# the int8 documents converted to the queries' dtype in registers instead of int8 x int8 products
 _CONVERT = {"INT8_PRODUCTS": False}
-# a fixed number of documents per program: PROGRAMS_PER_SM (the int8 default since session 9) off
+# a fixed number of documents per program instead of PROGRAMS_PER_SM's grid
 _FIXED = {"PROGRAMS_PER_SM": 0}
 INT8_SWEEP = [{}, _CONVERT, {**_CONVERT, "BLOCK_N": 128, "num_stages": 4},
-              # int8 x int8 tensor-core products (the default), the query quantised per token in the kernel
               {**_FIXED, "DOCS": 1}, {**_FIXED, "DOCS": 2}, {"ROWS": 256, "num_warps": 8}, {"BLOCK_N": 64},
               {"num_stages": 4},
-              # session 7: 2 warps (the bf16 bandwidth rows' gain); several documents per program on the
-              # compute-bound row too (run 11: 1024x1024 DOCS=2 5.26 vs 5.88 ms)
               {"num_warps": 2}, {**_FIXED, "num_warps": 2, "DOCS": 1}, {**_FIXED, "num_warps": 2, "DOCS": 2},
               {**_FIXED, "DOCS": 4}, {**_FIXED, "DOCS": 2, "num_stages": 4}, {**_FIXED, "DOCS": 2, "num_warps": 8}]
+
 
 def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOKB", "QPB", "BLOCK_N", "MULTI_DOC")):
     """What the compiler made of each specialisation of ``kernel`` compiled so far: registers, spills, and which
     tensor-core instructions its PTX uses (Hopper's asynchronous wgmma or the older synchronous mma)."""
-    from flash_maxsim.kernels._launcher import compiled_kernels
+    from flash_maxsim.kernels.direct_launch import compiled_kernels
     for ck in compiled_kernels(kernel):
         try:
             ptx = ck.asm.get("ptx", "")
@@ -479,7 +466,7 @@ def compiled_report(kernel, names=("QUANTIZE_Q", "HAS_SCALES", "HAS_DMASK", "TOK
 
 
 def int8_table(dev):
-    """The compressed index (int8 documents, bf16 queries): tile choices on issue 7's rows, with the bytes floor;
+    """The compressed index (int8 documents, bf16 queries): tile choices on the int8 rows, with the bytes floor;
     the default quantises the query in the kernel and multiplies int8 x int8, INT8_PRODUCTS=False converts."""
     for Nq, B, Lq, Ld in INT8_ROWS:
         q = torch.randn(Nq, Lq, 128, device=dev, dtype=torch.bfloat16)
@@ -494,7 +481,7 @@ def int8_table(dev):
 def per_call_us(fn, n=300) -> float:
     """Microseconds of host time per call of ``fn``: ``n`` calls enqueued back to back after a warm-up, timed
     without a sync inside the loop (fewer calls than the launch queue holds, so the host never waits for the
-    GPU when the GPU keeps up; benchmarks/ab_forward.py uses it too)."""
+    GPU when the GPU keeps up; tools/ab_forward.py uses it too)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -517,7 +504,8 @@ def host_table(dev):
     rows = {
         "maxsim 1x1k 32x300": (lambda: fm.maxsim(q, docs)),
         "canonicalize": (lambda: _layout.canonicalize(q, docs)),
-        "launch.forward": (lambda: launch.forward(p.queries, p.documents, None, None, None, 0, False, None, False, 300)),
+        "launch.forward": (lambda: launch.forward(p.queries, p.documents, None, None, None, 0, False, None, False,
+                                                  300)),
         "torch.empty": (lambda: torch.empty((1, 1000), device=dev)),
         "einsum amax sum (eager)": (lambda: torch.einsum("qid,bjd->qbij", q, docs).amax(-1).sum(-1)),
     }
@@ -547,7 +535,8 @@ def host_table(dev):
 
     def step():
         torch.nn.functional.cross_entropy(fm.maxsim(qt, dt), labels).backward()
-    print(f"host {'train step B128 32x300':28s} {per_call_us(step, 100):7.1f} us/call host, {bench(step) * 1e3:7.1f} us do_bench", flush=True)
+    print(f"host {'train step B128 32x300':28s} {per_call_us(step, 100):7.1f} us/call host, "
+          f"{bench(step) * 1e3:7.1f} us do_bench", flush=True)
     # where a small step's host time goes: the loss alone, our scores' forward + backward alone, the peers' steps
     leaf = torch.randn(128, 128, device=dev, requires_grad=True)
     grad_scores = torch.randn(128, 128, device=dev)
@@ -564,7 +553,8 @@ def host_table(dev):
     except Exception as exc:
         print(f"host: no peer steps ({type(exc).__name__}: {exc})")
     for name, fn in parts.items():
-        print(f"host {name:28s} {per_call_us(fn, 100):7.1f} us/call host, {bench(fn) * 1e3:7.1f} us do_bench", flush=True)
+        print(f"host {name:28s} {per_call_us(fn, 100):7.1f} us/call host, {bench(fn) * 1e3:7.1f} us do_bench",
+              flush=True)
     # a host synchronisation inside a step would make its host time the GPU's: name any
     import warnings
     with warnings.catch_warnings(record=True) as caught:
@@ -638,7 +628,7 @@ def main():
                     "comma-separated texts (e.g. 'B256,B64 32x1030')")
     ap.add_argument("--fp32", action="store_true", help="fp32 ('highest' precision) tile choices against PyTorch")
     ap.add_argument("--no-forward", action="store_true", help="skip the forward table")
-    ap.add_argument("--int8", action="store_true", help="int8-index tile choices (issue 7 rows)")
+    ap.add_argument("--int8", action="store_true", help="int8-index tile choices")
     ap.add_argument("--persist", action="store_true", help="PERSIST_SWEEP on every forward row and the int8 rows")
     ap.add_argument("--int8-tiles", action="store_true", help="INT8_TILE_SWEEP on the int8 rows")
     ap.add_argument("--bandwidth", action="store_true",

@@ -7,11 +7,11 @@ instructions in the PTX, the shared-memory copies made inside loops (TTGIR), the
 loop in the SASS (per iteration and thread: a tile loop's cost, counted before and after a change), and a digest
 of the code (equal before and after a refactor: the compiled kernels did not change).
 
-    python benchmarks/offline_compile.py [--arch 90] [--sms 132] [--only TEXT] [--json OUT.json]
+    python tools/offline_compile.py [--arch 90] [--sms 132] [--only TEXT] [--json OUT.json]
 
 Why: the CPU interpreter runs the kernels' arithmetic but never the compiler, so a kernel change can pass every
 CPU test and still fail to compile, spill, or lose its tensor-core path on the GPU. This catches those without a
-GPU (tests/core/test_offline_compile.py runs it in CI). It does not time anything.
+GPU (tools/tests/test_offline_compile.py runs it). It does not time anything.
 
 Nothing is launched: the launcher is replaced by a recorder while the real host code (layout, tile choice,
 launch plans) runs on CPU tensors that are never read (``torch.empty``, so the large shapes cost no memory). The
@@ -43,7 +43,7 @@ from triton.runtime.jit import create_function_from_signature
 
 import flash_maxsim as fm
 from flash_maxsim import _layout, ops
-from flash_maxsim.kernels import _launcher, launch
+from flash_maxsim.kernels import direct_launch, launch, tuning
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -77,7 +77,8 @@ def _mask(*shape):
     return m
 
 
-# the quantized cases' scale dtype: bf16, as flash_maxsim.quantize stores them (--scale-dtype fp32: an older index)
+# the quantized cases' scale dtype: bf16, as flash_maxsim.quantize stores them (--scale-dtype fp32: an index with
+# fp32 scales)
 scale_dtype = BF16
 
 
@@ -91,34 +92,35 @@ def _ragged(lengths, d, dt=BF16):
     return [torch.empty(n, d, dtype=dt) for n in lengths]
 
 
-# the 256-row tiles' choices before session 20 (kernels/launch.py, forward_config: PEELED_RUNS)
-_ONE_DOCUMENT = launch.ONE_DOCUMENT_PER_PROGRAM
-# the training forward's hard max before session 22's default
+# the 256-row tiles with one document per program instead of the peeled runs (kernels/tuning.py, PEELED_RUNS)
+_ONE_DOCUMENT = tuning.ONE_DOCUMENT_PER_PROGRAM
+# the training forward's hard max with one max per row and the threads' copies, instead of its partial (max,
+# arg-max) pairs and TMA copies
 _ONE_MAX_PER_ROW = dict(ROW_PARTIALS=1, TMA_ONE_DOC=False)
 
 CASES = [
     # scoring, bf16 unless said; the sizes are the smallest that keep the tile choice of the benchmark row named
     Case("bf16 1x1k 32x300", lambda: (_q(1, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 1x2k 32x300 (streaming on 2 warps)", lambda: (_q(1, 32, 128), _docs(2000, 300, 128), None, None)),
-    # the default since session 20: a share of the documents per program (2 per SM), each peeled, 16-token tails;
-    # since session 21 the whole tiles copied by TMA (and as session 20 had it, copied by the threads)
+    # the default: a share of the documents per program (2 per SM), each peeled, 16-token tails, the whole tiles
+    # copied by TMA (and copied by the threads)
     Case("bf16 64x1k 32x300 (256 rows)", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None)),
     Case("bf16 64x1k 32x300 (256 rows) peeled runs, copied by the threads",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None), forward_overrides=dict(TMA_DOCS=False)),
-    # one document per program (the default before session 20), and the variants measured against it
+    # one document per program, and the variants measured against it
     Case("bf16 64x1k 32x300 (256 rows) one document per program",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None), forward_overrides=_ONE_DOCUMENT),
-    # with one running max per row (no partial row maxima: the default before session 18)
+    # with one running max per row (no partial row maxima)
     Case("bf16 64x1k 32x300 (256 rows) one max per row", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None,
                                                                   None), forward_overrides=dict(_ONE_DOCUMENT,
                                                                                                 ROW_PARTIALS=1)),
-    # the peeled tail in 16- or 32-token tiles (TAIL_N; session 19): 48 columns for the last 44 tokens
+    # the peeled tail in 16- or 32-token tiles (TAIL_N): 48 columns for the last 44 tokens
     Case("bf16 64x1k 32x300 (256 rows) 16-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
          forward_overrides=dict(_ONE_DOCUMENT, TAIL_N=16)),
     Case("bf16 64x1k 32x300 (256 rows) 32-token tail", lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
          forward_overrides=dict(_ONE_DOCUMENT, TAIL_N=32)),
-    # several documents per program, a loop per document with its last tile peeled (PEEL_EACH_DOC; session 19):
-    # the query tile loaded once per program
+    # several documents per program, a loop per document with its last tile peeled (PEEL_EACH_DOC): the query tile
+    # loaded once per program
     Case("bf16 64x1k 32x300 (256 rows) 4 documents, each peeled",
          lambda: (_q(64, 32, 128), _docs(1000, 300, 128), None, None),
          forward_overrides=dict(_ONE_DOCUMENT, DOCS=4, PEEL_EACH_DOC=True)),
@@ -151,20 +153,18 @@ CASES = [
                                                                 None, None)),
     Case("int8 1x3k 32x300 tile kernel (several documents per program)",
          lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None), forward_overrides={"TOKEN_ROWS": False}),
-    # the default: whole tiles' sums read as fp32 bits (kernels/forward.py, _tile_similarities), on 3 stages (session 44)
+    # the default: whole tiles' sums read as fp32 bits (kernels/forward.py, _tile_similarities), on 3 stages
     Case("int8 1x4k 1024x1024 (runs of documents by TMA)", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                   None, None)),
     Case("int8 1x300 1024x1024 masked", lambda: (_q(1, 1024, 128), _quantized(300, 1024, 128, mask=True),
                                                  None, None)),
-    # 4 partial row maxima over column pairs (an option, session 18): no more registers than one max per row
+    # 4 partial row maxima over column pairs (an option): no more registers than one max per row
     Case("int8 1x4k 1024x1024 partial maxima over pairs", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128),
                                                                    None, None), forward_overrides={"ROW_PARTIALS": 4}),
-    # the bit-cast sums' tile max by tl.max (a tree from Triton 3.8), not folded in a fixed chain (the default since
-    # session 43)
+    # the bit-cast sums' tile max by tl.max (a tree from Triton 3.8), not folded in a fixed chain (the default)
     Case("int8 1x4k 1024x1024 tile max by tl.max", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None,
                                                             None), forward_overrides={"CHAINED_MAX": False}),
-    # the same grid with the sums converted (the default before session 16, here on the same 2 stages), and the
-    # bit-cast sums where they are an option
+    # the same grid with the sums converted, and the bit-cast sums where they are an option
     Case("int8 1x4k 1024x1024 converted sums", lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128), None, None),
          forward_overrides={"BITCAST_SUMS": False, "num_stages": 3}),
     Case("int8 1x3k 32x300 bit-cast sums", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128), None, None),
@@ -179,8 +179,8 @@ CASES = [
     Case("int8 converted", lambda: (_q(1, 32, 128), _quantized(1000, 300, 128), None, None),
          forward_overrides={"INT8_PRODUCTS": False}),
     Case("int8 d=384 (converted)", lambda: (_q(1, 32, 384), _quantized(1000, 180, 384), None, None)),
-    # fp8 x fp8 products (session 17): one document per program, runs of documents (the streaming grid), the
-    # compute-bound grid (queries quantised first, TMA), and the conversion to the queries' dtype they replace
+    # fp8 x fp8 products: one document per program, runs of documents (the streaming grid), the compute-bound grid
+    # (queries quantised first, TMA), and the conversion to the queries' dtype they replace
     Case("fp8 1x500 32x300", lambda: (_q(1, 32, 128), _quantized(500, 300, 128, kind="fp8"), None, None),
          min_arch=89),
     Case("fp8 1x3k 32x300 (runs of documents)", lambda: (_q(1, 32, 128), _quantized(3000, 300, 128, kind="fp8"),
@@ -191,7 +191,7 @@ CASES = [
     Case("fp8 1x4k 1024x1024 (runs of documents by TMA)",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89),
     # its 8 partial maxima per row by tl.reduce (a tree from Triton 3.8), not folded in a fixed chain (the default
-    # from Triton 3.8 since session 43)
+    # from Triton 3.8)
     Case("fp8 1x4k 1024x1024 partial maxima by tl.reduce",
          lambda: (_q(1, 1024, 128), _quantized(4000, 1024, 128, kind="fp8"), None, None), min_arch=89,
          forward_overrides={"CHAINED_MAX": False}),
@@ -200,11 +200,11 @@ CASES = [
     # training: forward saving what the backward needs, then dQ and dD
     Case("train bf16 in-batch B128 32x300", lambda: (_q(128, 32, 128), _docs(128, 300, 128), _mask(128, 32),
                                                      _mask(128, 300)), training=True),
-    # the training forward on long documents (session 21): 256-row tiles, 3 stages, 16-token tail tiles
+    # the training forward on long documents: 256-row tiles, 3 stages, 16-token tail tiles
     Case("train bf16 ColPali B64 32x1030 (256 rows)", lambda: (_q(64, 32, 128), _docs(64, 1030, 128), None, None),
          training=True),
-    # the training forward's hard max as it was before session 22 (one max and arg-max per row, the threads' copies),
-    # beside the default (partial (max, arg-max) pairs per row, whole tiles copied by TMA)
+    # the training forward's hard max with one max and arg-max per row and the threads' copies, beside the default
+    # (partial (max, arg-max) pairs per row, whole tiles copied by TMA)
     Case("train bf16 in-batch B128 32x300, one max per row", lambda: (_q(128, 32, 128), _docs(128, 300, 128),
                                                                       _mask(128, 32), _mask(128, 300)),
          training=True, forward_overrides=_ONE_MAX_PER_ROW),
@@ -218,7 +218,7 @@ CASES = [
          forward_overrides=_ONE_MAX_PER_ROW),
     Case("train bf16 smooth ColPali B16", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None,
                                                    _mask(16, 1030)), masked="zero", smooth_tau=0.1, training=True),
-    # the benchmark's smooth row (no masks): the gradients' streamed tiles loaded once (session 19)
+    # the benchmark's smooth row (no masks): the gradients' streamed tiles loaded once
     Case("train bf16 smooth ColPali B16 unmasked", lambda: (_q(16, 32, 128), _docs(16, 1030, 128), None, None),
          smooth_tau=0.1, training=True),
     Case("train bf16 smooth ColPali B16 unmasked, tiles loaded twice",
@@ -232,15 +232,15 @@ CASES = [
     Case("train bf16 d=384", lambda: (_q(2, 13, 384), _docs(3, 40, 384), None, None), training=True),
     Case("train bf16 sparse dD", lambda: (_q(4, 32, 128), _docs(8, 300, 128), None, None), training=True,
          backward_overrides={"DD_METHOD": "sparse"}),
-    # the binned dD (session 23: the default for documents of 1024 tokens or 1024 arg-max entries or more; forced on
-    # the 300-token candidates): one program per 64-token block picks its entries out of the document's (8192 at
-    # ColPali B256) and multiplies them; the hard-max dQ in its own launch a gather of several columns per step
+    # the binned dD (the default for documents of 1024 tokens or 1024 arg-max entries or more; forced on the 300-token
+    # candidates): one program per 64-token block picks its entries out of the document's (8192 at ColPali B256) and
+    # multiplies them; the hard-max dQ in its own launch a gather of several columns per step
     Case("train bf16 ColPali B256", lambda: (_q(256, 32, 128), _docs(256, 1030, 128), None, None), training=True),
     Case("train bf16 KD 8x8 paired binned dD", lambda: (_q(8, 32, 128), _docs(64, 300, 128).view(8, 8, 300, 128),
                                                         None, None), training=True,
          backward_overrides={"DD_METHOD": "binned"}),
-    # the hard-max dQ a row at a time in its own launch (the default before session 23), the gather on ragged
-    # documents beside the binned dD, and over feature slices (d = 384)
+    # the hard-max dQ a row at a time in its own launch, the gather on ragged documents beside the binned dD, and
+    # over feature slices (d = 384)
     Case("train bf16 B64 + 7 negatives 32x300, dQ a row at a time",
          lambda: (_q(64, 32, 128), _docs(512, 300, 128), None, None), training=True,
          backward_overrides={"DQ_METHOD": "rows"}),
@@ -263,31 +263,22 @@ def launches_recorded(sms: int, fp32_precision: str = "highest", forward_overrid
     """The library's GPU host path on CPU tensors, with every kernel launch recorded instead of run: calls go
     to the Triton backend whatever the device, the launcher appends (kernel, grid, tensors, scalars, meta) to the
     list yielded (without the tensors unless ``keep_tensors``: holding them would change what memory is alive),
-    the SM count and compute capability are the target's. Outputs hold whatever memory they were allocated with."""
+    the tile policy tunes for the target's SM count and compute capability. Outputs hold whatever memory they were
+    allocated with."""
     calls = []
-    saved = (_launcher.launch, launch._sm_count, torch.get_float32_matmul_precision(),
-             dict(launch.FORWARD_OVERRIDES), dict(launch.BACKWARD_OVERRIDES), ops._forced_backend,
-             launch.CAPABILITY_OVERRIDE)
-    launch.CAPABILITY_OVERRIDE = tuple(capability)
-    _launcher.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None, plan=None, cache=True: \
+    saved = (direct_launch.launch, torch.get_float32_matmul_precision(), ops._forced_backend)
+    direct_launch.launch = lambda kernel, grid, tensors, scalars, meta, meta_key=None, plan=None: \
         calls.append((kernel, grid, tensors if keep_tensors else None, scalars, dict(meta)))
-    launch._sm_count = lambda: sms
-    launch._FORWARD_PLANS.clear()         # plans are keyed by shapes and device, not by SM count
-    launch._BACKWARD_PLANS.clear()
     ops._forced_backend = "triton"        # not force_backend(): it refuses without CUDA, rightly for real runs
     torch.set_float32_matmul_precision(fp32_precision)
-    launch.FORWARD_OVERRIDES.update(forward_overrides or {})
-    launch.BACKWARD_OVERRIDES.update(backward_overrides or {})
     try:
-        yield calls
+        with tuning.override_target(sms=sms, capability=capability), \
+                tuning.override_forward(**(forward_overrides or {})), \
+                tuning.override_backward(**(backward_overrides or {})):
+            yield calls
     finally:
-        _launcher.launch, launch._sm_count, ops._forced_backend = saved[0], saved[1], saved[5]
-        launch.CAPABILITY_OVERRIDE = saved[6]
-        torch.set_float32_matmul_precision(saved[2])
-        launch.FORWARD_OVERRIDES.clear(), launch.FORWARD_OVERRIDES.update(saved[3])
-        launch.BACKWARD_OVERRIDES.clear(), launch.BACKWARD_OVERRIDES.update(saved[4])
-        launch._FORWARD_PLANS.clear()
-        launch._BACKWARD_PLANS.clear()
+        direct_launch.launch, ops._forced_backend = saved[0], saved[2]
+        torch.set_float32_matmul_precision(saved[1])
 
 
 def record_launches(case: Case, sms: int, arch: int = 90) -> list:
@@ -341,7 +332,7 @@ def loop_allocations(ttgir: str) -> list:
     """The shared-memory copies of register values made inside a loop (``ttg.local_alloc`` of a tensor within an
     ``scf.for``), as their shapes (``"32x128xi8"``): a tensor-core operand copied there is stored again every
     iteration, where a loop-invariant one (a query tile) belongs before the loop (Triton 3.9 keeps it inside when a
-    transpose of it is: session 41)."""
+    transpose of it is)."""
     scopes, found = [], []
     for line in ttgir.splitlines():
         text = line.strip()
@@ -418,12 +409,12 @@ def sass_loops(sass: str) -> list:
 def compile_call(call, target: GPUTarget, **extra_options):
     """Triton's CompiledKernel of one recorded launch for ``target``, as Triton would compile it on that GPU (same
     specialisation of every argument: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16).
-    ``extra_options``: more compile options (e.g. ``ir_override``, benchmarks/ptx_edit_probe.py's)."""
+    ``extra_options``: more compile options (e.g. ``ir_override``, to compile an edited PTX)."""
     kernel, grid, tensors, scalars, meta = call
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = {**meta, **_launcher.COMPILE_OPTIONS, **extra_options}      # what every launch gives Triton
-    bound, specialization, options = binder(*tensors, *_launcher._tritons_scalars(tensors, scalars), **kwargs)
+    kwargs = {**meta, **direct_launch.COMPILE_OPTIONS, **extra_options}      # what every launch gives Triton
+    bound, specialization, options = binder(*tensors, *direct_launch._tritons_scalars(tensors, scalars), **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
@@ -433,9 +424,9 @@ def compile_launch(call, target: GPUTarget) -> dict:
     kernel, grid, tensors, scalars, meta = call
     compiled = compile_call(call, target)
     md = compiled.metadata
-    # whether the launcher's direct C launch can bind this launch's constexprs (else every call of it takes
-    # Triton's slower launch path, silently: session 16's regression)
-    direct = _launcher._constexpr_tail(kernel, len(tensors) + len(scalars), meta) is not None
+    # whether the direct C launch can bind this launch's constexprs (else every call of it takes Triton's slower
+    # launch path, silently)
+    direct = direct_launch._constexpr_tail(kernel, len(tensors) + len(scalars), meta) is not None
     return {"kernel": kernel.__name__, "grid": list(grid), "direct_launch": direct,
             "num_warps": md.num_warps, "num_stages": md.num_stages,
             "shared_bytes": md.shared, "mma": mma_kinds(compiled.asm["ptx"]), "code": code_digest(compiled.asm["ptx"]),
@@ -445,7 +436,7 @@ def compile_launch(call, target: GPUTarget) -> dict:
 
 _SHOWN_META = ("QUANTIZE_Q", "Q_QUANTIZED", "TMA_DOCS", "BITCAST_SUMS", "HAS_SCALES", "PAIRED", "RAGGED", "SMOOTH",
                "SAVE_AUX", "ROW_OUT", "QPB", "TOKB", "BLOCK_N", "BLOCK_D", "D_CHUNKS", "PRECISION", "PEEL_TAIL",
-               "MULTI_DOC", "ROW_PARTIALS", "TAIL_N", "PEEL_EACH_DOC", "CHAINED_MAX")
+               "MULTI_DOC", "ROW_PARTIALS", "TAIL_N", "PEEL_EACH_DOC", "CHAINED_MAX", "PROGRAMS")
 
 
 def run_cases(cases, arch: int, sms: int, log=print) -> list:
@@ -487,7 +478,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="only the cases whose name contains this text")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--scale-dtype", choices=("bf16", "fp32"), default="bf16", help="the quantized documents' "
-                    "scales: bf16 (flash_maxsim.quantize's) or fp32 (an index made before session 27)")
+                    "scales: bf16 (flash_maxsim.quantize's) or fp32")
     args = ap.parse_args(argv)
     global scale_dtype
     scale_dtype = BF16 if args.scale_dtype == "bf16" else FP32

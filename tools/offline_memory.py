@@ -2,16 +2,13 @@
 kernel launches recorded instead of run (``offline_compile.launches_recorded``), and every tensor allocated while
 a function runs is tracked (a ``TorchDispatchMode``: each new storage counts from its first op until its last
 tensor dies), so the peak above the inputs is what ``torch.cuda.max_memory_allocated`` would report, up to the
-caching allocator's rounding. Validated against the device: on bench.py's training steps the model gave 22.5,
-54.3, 25.6, 90.9 and 309.5 MiB for the code of run 10, which measured 22.50, 54.25, 25.63, 91.63 and 309.53; and,
-predicted before any device run, 12.1, 40.3, 16.9, 70.9, 35.3 and 300.8 MiB for session 6's code, which run 13
-measured as 12.3, 40.3, 16.9, 70.9, 35.3 and 300.8.
+caching allocator's rounding (within 0.7 MiB of the H200's measurement on bench.py's training steps).
 
-    python benchmarks/offline_memory.py [--results benchmarks/results/results.json]
+    python tools/offline_memory.py [--results RESULTS.json]
 
-Prints the training table: predicted peak MiB above inputs (outputs included), next to the last device run's
-measurement for ours and the peers when a results.json is given. tests/core/test_offline_memory.py asserts
-memory properties with it in CI.
+Prints the training table: predicted peak MiB above inputs (outputs included), next to a GPU run's measurement for
+ours and the peers when a benchmark results JSON is given. tools/tests/test_offline_memory.py asserts memory
+properties with it.
 """
 
 from __future__ import annotations
@@ -141,8 +138,9 @@ def main(argv=None) -> int:
     if args.results:
         with open(args.results) as f:
             for row in json.load(f).get("training", []):
-                measured[row["name"]] = {k: v.get("peak_mb") for k, v in row["results"].items() if isinstance(v, dict)}
-    print("| training step | predicted MiB (this code) | " + ("last device run: ours / fmpypi / lik |" if measured else ""))
+                measured[row["name"]] = {k: v.get("peak_mb") for k, v in row["results"].items()
+                                         if isinstance(v, dict)}
+    print("| training step | predicted MiB (this code) | " + ("measured: ours / fmpypi / lik |" if measured else ""))
     print("|---|---|" + ("---|" if measured else ""))
     for step in TRAINING_STEPS:
         fn, inputs = step.build()

@@ -1,18 +1,17 @@
-"""How fast can this GPU merely *read* the bytes a bandwidth-bound scoring row reads? One device run.
+"""How fast can this GPU merely *read* the bytes a bandwidth-bound scoring row reads?
 
-Issue 6's floor divides a row's bytes by the bandwidth of a 1 GiB device-to-device copy. A short kernel (the
+The benchmark's floor divides a row's bytes by the bandwidth of a 1 GiB device-to-device copy. A short kernel (the
 1x1k rows read ~250 MB in ~0.07 ms) also pays a launch, a ramp-up and a tail that no large copy shows. This
-script times, for each bandwidth-bound row of issues 6 and 7, the fastest of a sweep of read-only kernels over the
-same number of bytes (a Triton loop that loads and XORs 32-bit words, each program one contiguous share, the
-loads pipelined; configurations: words per load, programs per SM, warps, stages), and ``flash_maxsim.maxsim`` on
-the row itself, interleaved in rounds. "ours / read" close to 1 means the row is as fast as reading its inputs.
+script times, for each bandwidth-bound row, the fastest of a sweep of read-only kernels over the same number of
+bytes (a Triton loop that loads and XORs 32-bit words, each program one contiguous share, the loads pipelined;
+configurations: words per load, programs per SM, warps, stages), and ``flash_maxsim.maxsim`` on the row itself,
+interleaved in rounds. "ours / read" close to 1 means the row is as fast as reading its inputs.
 
-    python benchmarks/read_roofline.py [--rounds 3] [--out FILE.json] [--rows 32x1030] [--l2-flush read]
+    python tools/read_roofline.py [--rounds 3] [--out FILE.json] [--rows 32x1030] [--l2-flush read]
 
 ``--l2-flush read``: every call timed after a read of do_bench's 256 MB buffer instead of its zeroing (which leaves
-dirty L2 lines that the timed call writes back: ~8-9 us per call, `flush_probe.py`).
-
-Not the published benchmark (benchmarks/bench.py); the numbers go to docs/perf-notes.md.
+dirty L2 lines that the timed call writes back: ~8-9 us per call on an H200). Not the published benchmark
+(benchmarks/bench.py, whose L2 flush modes this script shares).
 """
 
 from __future__ import annotations
@@ -20,13 +19,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from bench import L2_FLUSH_HELP, L2_FLUSH_MODES, l2_flush
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench import L2_FLUSH_HELP, L2_FLUSH_MODES, l2_flush  # noqa: E402
 
 # (name, Nq, B, Lq, Ld, d, index): the bandwidth-bound rows (one query token block streams the documents once)
 ROWS = [

@@ -1,26 +1,19 @@
-"""One medium case of every kernel path, run under `compute-sanitizer --tool memcheck` on the device:
-forward + backward (hard/smooth, masks, in-batch, per-query candidates, ragged/packed, long query split,
-document-token split) and quantized scoring (also with int8 x int8 products). Prints one line per case; exit 1 on a wrong result."""
+"""One medium case of every kernel path, for `compute-sanitizer --tool memcheck` on a GPU: forward + backward
+(hard/smooth, masks, in-batch, per-query candidates, ragged/packed, long query split, document-token split) and
+quantized scoring (int8 and fp8, with 8-bit products or converted). Paths that these sizes would not pick are forced
+by tile overrides (kernels/tuning.py). Prints one line per case; exit 1 on a wrong result.
 
-import contextlib
+    compute-sanitizer --tool memcheck python tools/sanitizer_case.py
+"""
+
 import sys
 
 import torch
 
 import flash_maxsim as fm
 from flash_maxsim import reference
-from flash_maxsim.kernels import launch
-
-
-@contextlib.contextmanager
-def forward_overrides(**knobs):
-    """``launch.FORWARD_OVERRIDES`` with ``knobs`` for the block (a path forced at these sizes), then without them."""
-    launch.FORWARD_OVERRIDES.update(knobs)
-    try:
-        yield
-    finally:
-        for knob in knobs:
-            launch.FORWARD_OVERRIDES.pop(knob)
+from flash_maxsim.kernels.tuning import override_backward
+from flash_maxsim.kernels.tuning import override_forward
 
 
 def main():
@@ -45,19 +38,19 @@ def main():
             out.sum().backward()
             check(f"in-batch {masked} tau={tau}", out, reference.maxsim(q.detach(), d.detach(), qm, dm, masked=masked,
                                                                          smooth_tau=tau), 1e-5)
-    # the smooth max without masks: its gradients load each streamed tile once for both products (session 19)
+    # the smooth max without masks: its gradients load each streamed tile once for both products
     q128 = torch.randn(6, 32, 128, device=dev, dtype=bf, requires_grad=True)
     d128 = torch.randn(9, 333, 128, device=dev, dtype=bf, requires_grad=True)
     out = fm.maxsim(q128, d128, smooth_tau=0.1)
     (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
     check("in-batch smooth, no masks", out, reference.maxsim(q128.detach(), d128.detach(), smooth_tau=0.1), 1e-5)
-    # the training forward's hard max (session 22: partial (max, arg-max) pairs, whole tiles copied by TMA; the
-    # masked in-batch cases above take them too, at d=96)
+    # the training forward's hard max (partial (max, arg-max) pairs, whole tiles copied by TMA; the masked in-batch
+    # cases above take them too, at d=96)
     out = fm.maxsim(q128, d128)
     (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
     check("in-batch hard, no masks", out, reference.maxsim(q128.detach(), d128.detach()), 1e-5)
-    # the training forward's default on long documents (session 21: 256-row tiles, 3 stages, 16-token tail tiles;
-    # 8 query blocks x 40 documents of 530 tokens), masked, hard (masked as zero) and smooth, with both gradients
+    # the training forward's default on long documents (256-row tiles, 3 stages, 16-token tail tiles; 8 query blocks
+    # x 40 documents of 530 tokens), masked, hard (masked as zero) and smooth, with both gradients
     q_long = torch.randn(64, 32, 128, device=dev, dtype=bf, requires_grad=True)
     d_long = torch.randn(40, 530, 128, device=dev, dtype=bf, requires_grad=True)
     qm_long, dm_long = torch.rand(64, 32, device=dev) > 0.2, torch.rand(40, 530, device=dev) > 0.3
@@ -85,13 +78,12 @@ def main():
         grads = []
         for method in ({"DD_METHOD": "dense", "FUSED": False, "DQ_METHOD": "rows"},
                        {"DD_METHOD": "binned", "DQ_METHOD": "gather"}):
-            launch.BACKWARD_OVERRIDES.update(method)
             leaf, q_leaf = docs.detach().requires_grad_(), q.detach().requires_grad_()
             arg = fm.PackedDocuments(leaf, packed.offsets, packed.max_length) if name == "packed" else leaf
-            out = fm.maxsim(q_leaf, arg, qm, mask)
-            (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+            with override_backward(**method):
+                out = fm.maxsim(q_leaf, arg, qm, mask)
+                (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
             grads.append((leaf.grad.double(), q_leaf.grad.double()))
-            launch.BACKWARD_OVERRIDES.clear()
         check(f"binned dD, {name}", grads[1][0], grads[0][0], 1e-2)
         check(f"dQ gather, {name}", grads[1][1], grads[0][1], 1e-2)
     long_q = torch.randn(2, 300, 128, device=dev, dtype=bf, requires_grad=True)
@@ -109,7 +101,7 @@ def main():
         runs = torch.randn(11, 256, 128, device=dev, dtype=bf)
         runs_mask = torch.rand(11, 256, device=dev) > 0.3
         wide_q, wide = torch.randn(1, 32, 384, device=dev, dtype=bf), torch.randn(11, 180, 384, device=dev, dtype=bf)
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
+        with override_forward(DOCS=4, PROGRAMS_PER_SM=0):
             got_runs = fm.maxsim(q2, runs, None, runs_mask, smooth_tau=0.1)
             got_wide = fm.maxsim(wide_q, wide)
         check("runs of documents, whole tiles, smooth", got_runs,
@@ -119,33 +111,36 @@ def main():
         # 256-row programs: one document per program with its peeled last tile, runs of whole tiles (masked), a
         # token split
         q256 = torch.randn(8, 32, 128, device=dev, dtype=bf)
-        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
+        with override_forward(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
             got_one = fm.maxsim(q256, wide[:, :, :128].contiguous())
             got_split = fm.maxsim(q256, few[0])
-        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=4, PROGRAMS_PER_SM=0):
+        with override_forward(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=4, PROGRAMS_PER_SM=0):
             got_runs = fm.maxsim(q256, runs, None, runs_mask)
         check("partial row maxima, one document per program", got_one,
               reference.maxsim(q256, wide[:, :, :128]), 1e-5)
         check("partial row maxima, token split", got_split, reference.maxsim(q256, few[0]), 1e-5)
-        check("partial row maxima, runs of whole tiles", got_runs, reference.maxsim(q256, runs, None, runs_mask), 1e-5)
-        # session 19's options (off by default): the peeled tail in 16-token tiles (one document per program,
-        # padded and masked, and packed), several documents per program each with its own peeled tail
+        check("partial row maxima, runs of whole tiles", got_runs, reference.maxsim(q256, runs, None, runs_mask),
+              1e-5)
+        # options off by default: the peeled tail in 16-token tiles (one document per program, padded and masked,
+        # and packed), several documents per program each with its own peeled tail
         narrow_docs = wide[:, :, :128].contiguous()
         narrow_mask = torch.rand(11, 180, device=dev) > 0.3
-        with forward_overrides(TAIL_N=16, ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
+        with override_forward(TAIL_N=16, ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=1, PROGRAMS_PER_SM=0):
             got_tail = fm.maxsim(q256, narrow_docs, None, narrow_mask, masked="zero")
             got_tail_ragged = fm.maxsim(q.detach(), packed)
         check("16-token tail, masked as zero", got_tail,
               reference.maxsim(q256, narrow_docs, None, narrow_mask, masked="zero"), 1e-5)
         check("16-token tail, packed", got_tail_ragged, reference.maxsim(q.detach(), ragged), 1e-5)
-        with forward_overrides(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=3, PROGRAMS_PER_SM=0, PEEL_EACH_DOC=True,
+        with override_forward(ROW_PARTIALS=8, ROWS=256, num_warps=8, DOCS=3, PROGRAMS_PER_SM=0, PEEL_EACH_DOC=True,
                                MAXNREG=128):
             got_each = fm.maxsim(q256, narrow_docs, None, narrow_mask)
-        check("several documents, each peeled", got_each, reference.maxsim(q256, narrow_docs, None, narrow_mask), 1e-5)
-        # session 20's default for 256-row tiles of documents that end inside a tile (enough pairs for them: 8 query
-        # blocks x 150 documents): a share of the documents per program, each peeled, 16-token tails, masked too;
-        # since session 21 their whole tiles copied by TMA
-        q64, docs150 = torch.randn(64, 32, 128, device=dev, dtype=bf), torch.randn(150, 300, 128, device=dev, dtype=bf)
+        check("several documents, each peeled", got_each, reference.maxsim(q256, narrow_docs, None, narrow_mask),
+              1e-5)
+        # the default for 256-row tiles of documents that end inside a tile (enough pairs for them: 8 query blocks x
+        # 150 documents): a share of the documents per program, each peeled, 16-token tails, whole tiles copied by
+        # TMA, masked too
+        q64 = torch.randn(64, 32, 128, device=dev, dtype=bf)
+        docs150 = torch.randn(150, 300, 128, device=dev, dtype=bf)
         mask150 = torch.rand(150, 300, device=dev) > 0.3
         check("peeled runs (default), 64x150 32x300", fm.maxsim(q64, docs150), reference.maxsim(q64, docs150), 1e-5)
         check("peeled runs (default), masked", fm.maxsim(q64, docs150, None, mask150),
@@ -155,7 +150,7 @@ def main():
         # second call through the cached launch (the descriptor encoded once)
         q96, d96 = torch.randn(1, 31, 96, device=dev, dtype=bf), torch.randn(11, 257, 96, device=dev, dtype=bf)
         for tma in (True, False):
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma, MAXNREG=128):
+            with override_forward(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma, MAXNREG=128):
                 for _ in range(2):
                     got96 = fm.maxsim(q96, d96)
             check(f"runs of documents, d=96 {'by TMA' if tma else 'copied by the threads'}", got96,
@@ -163,7 +158,7 @@ def main():
         # 128 query rows against runs of whole tiles: 8 warps, TMA copies (the default there) or the threads', masked
         q128, qm128 = torch.randn(1, 128, 128, device=dev, dtype=bf), torch.rand(1, 128, device=dev) > 0.2
         for tma in (True, False):
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma):
+            with override_forward(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=tma):
                 for _ in range(2):
                     got128 = fm.maxsim(q128, runs, qm128, runs_mask)
             check(f"runs of documents, 128 rows on 8 warps {'by TMA' if tma else 'copied by the threads'}", got128,
@@ -173,7 +168,7 @@ def main():
         from flash_maxsim.quantization import queries_as_scored
         check("int8 x int8", fm.maxsim(q.detach(), qd, qm),
               reference.maxsim(queries_as_scored(q.detach(), qd).double(), qd.dequantize(torch.float64), qm, dm), 1e-5)
-        with forward_overrides(INT8_PRODUCTS=False):
+        with override_forward(INT8_PRODUCTS=False):
             got = fm.maxsim(q.detach(), qd, qm)
         check("int8 converted", got, reference.maxsim(q.detach(), qd.dequantize(torch.float64), qm, dm), 1e-5)
         # 4 documents per program (forced: the default's grid of 8 programs per SM leaves one document per program
@@ -186,7 +181,7 @@ def main():
         # whole 64-token tiles with a mask: the loop over one contiguous run of tokens (FLAT_RUN)
         whole_mask = torch.rand(11, 256, device=dev) > 0.3
         whole = fm.quantize(torch.randn(11, 256, 128, device=dev, dtype=bf), whole_mask)
-        with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
+        with override_forward(DOCS=4, PROGRAMS_PER_SM=0):
             grouped, grouped_split = fm.maxsim(q2[:1], index), fm.maxsim(long_q16, narrow)
             grouped_whole = fm.maxsim(q2[:1], whole)
         check("int8 grouped", grouped,
@@ -199,7 +194,7 @@ def main():
         # the token-rows kernel (the 8-bit streaming default on Hopper, forced into runs of 4 documents here): int8
         # 64-token tiles straddling 300-token documents, masked whole tiles as zero; fp8 128-token tiles straddling
         index8 = fm.quantize(torch.randn(11, 300, 128, device=dev, dtype=bf), dtype="fp8")
-        with forward_overrides(DOCS=4, TOKEN_ROWS_PROGRAMS_PER_SM=0):
+        with override_forward(DOCS=4, TOKEN_ROWS_PROGRAMS_PER_SM=0):
             rows_straddling, rows_whole = fm.maxsim(q2[:1], index), fm.maxsim(q2[:1], whole, masked="zero")
             rows_fp8 = fm.maxsim(q2[:1], index8)
         check("int8 token rows, straddling", rows_straddling,
@@ -215,7 +210,7 @@ def main():
         long_q, long_qm = torch.randn(2, 200, 128, device=dev, dtype=bf), torch.rand(2, 200, device=dev) > 0.2
         compute_grid = dict(DOCS=4, PROGRAMS_PER_SM=0, BLOCK_N=128, QUANTIZE_FIRST=True, PREFETCH_TOKENS=True,
                             MAXNREG=168, TMA_DOCS=True)
-        with forward_overrides(**compute_grid):
+        with override_forward(**compute_grid):
             compute_whole, compute_straddling = fm.maxsim(long_q, whole, long_qm), fm.maxsim(long_q, index, long_qm)
         check("int8 compute-bound grid, whole tiles", compute_whole,
               reference.maxsim(queries_as_scored(long_q, whole).double(), whole.dequantize(torch.float64), long_qm,
@@ -230,10 +225,10 @@ def main():
         neg_q = long_q.clone()
         neg_q[0, 7] = neg_q[0, 7].abs()
         neg_index = fm.quantize(negative)
-        with forward_overrides(**compute_grid, BITCAST_SUMS=True):
+        with override_forward(**compute_grid, BITCAST_SUMS=True):
             bitcast_whole, bitcast_redo = fm.maxsim(long_q, whole, long_qm), fm.maxsim(neg_q, neg_index, long_qm)
-        # and their tile max folded in a fixed chain (CHAINED_MAX, sessions 42-43)
-        with forward_overrides(**compute_grid, BITCAST_SUMS=True, CHAINED_MAX=True):
+        # and their tile max folded in a fixed chain (CHAINED_MAX)
+        with override_forward(**compute_grid, BITCAST_SUMS=True, CHAINED_MAX=True):
             chained_whole = fm.maxsim(long_q, whole, long_qm)
         check("int8 compute-bound grid, bit-cast sums", bitcast_whole, compute_whole.double(), 0.0)
         check("int8 compute-bound grid, bit-cast sums, chained tile max", chained_whole, compute_whole.double(), 0.0)
@@ -241,7 +236,7 @@ def main():
               reference.maxsim(queries_as_scored(neg_q, neg_index).double(), neg_index.dequantize(torch.float64),
                                long_qm), 1e-5)
         if torch.cuda.get_device_capability() >= (8, 9):
-            # fp8 x fp8 products (session 17): the query quantised to e4m3 in the kernel, one document per program
+            # fp8 x fp8 products: the query quantised to e4m3 in the kernel, one document per program
             # and runs of documents, and the compute-bound grid (queries quantised before the launch, TMA); the
             # norm-relative tolerance allows for Hopper's fp8 accumulation (docs/semantics.md)
             fp8_index, fp8_whole = fm.quantize(d.detach(), dm, dtype="fp8"), fm.quantize(whole.dequantize(bf),
@@ -249,7 +244,7 @@ def main():
             check("fp8 x fp8", fm.maxsim(q.detach(), fp8_index, qm),
                   reference.maxsim(queries_as_scored(q.detach(), fp8_index).double(),
                                    fp8_index.dequantize(torch.float64), qm, dm), 1e-3)
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0):
+            with override_forward(DOCS=4, PROGRAMS_PER_SM=0):
                 got = fm.maxsim(q2[:1], fp8_whole)
             check("fp8 grouped, whole tiles", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_whole).double(), fp8_whole.dequantize(torch.float64),
@@ -257,15 +252,15 @@ def main():
             # the streaming grid's one-warp programs with uncapped registers (the fp8 default there): runs whose
             # tiles straddle 300-token documents
             fp8_runs = fm.quantize(index.dequantize(bf), dtype="fp8")
-            with forward_overrides(DOCS=4, PROGRAMS_PER_SM=0, num_warps=1, MAXNREG=0):
+            with override_forward(DOCS=4, PROGRAMS_PER_SM=0, num_warps=1, MAXNREG=0):
                 got = fm.maxsim(q2[:1], fp8_runs)
             check("fp8 grouped, one warp per program", got,
                   reference.maxsim(queries_as_scored(q2[:1], fp8_runs).double(), fp8_runs.dequantize(torch.float64)),
                   1e-3)
-            with forward_overrides(**compute_grid, ROW_PARTIALS=8):
+            with override_forward(**compute_grid, ROW_PARTIALS=8):
                 got = fm.maxsim(long_q, fp8_whole, long_qm)
-            # its 8 partial maxima per row folded in a fixed chain (CHAINED_MAX, session 43): a max in another order
-            with forward_overrides(**compute_grid, ROW_PARTIALS=8, CHAINED_MAX=True):
+            # its 8 partial maxima per row folded in a fixed chain (CHAINED_MAX): a max in another order
+            with override_forward(**compute_grid, ROW_PARTIALS=8, CHAINED_MAX=True):
                 chained = fm.maxsim(long_q, fp8_whole, long_qm)
             check("fp8 compute-bound grid, whole tiles", got,
                   reference.maxsim(queries_as_scored(long_q, fp8_whole).double(), fp8_whole.dequantize(torch.float64),

@@ -1,10 +1,9 @@
 """The same rows timed under whichever Triton is first on the path, so that runs of this script under two Tritons
-(e.g. the device image's 3.6 and a 3.9 carried there, `scripts/triton_for_device.sh`) compare what a user's Triton
-version costs: forward (bf16, int8 index) and a training step. Run each Triton's pass alternately, twice or more;
-compare within one device call only.
+(e.g. 3.6 and 3.9, each in its own environment) compare what a user's Triton version costs: forward (bf16, int8
+index) and a training step. Run each Triton's pass alternately, twice or more, on the same GPU and machine.
 
-    PYTHONPATH=src python3 benchmarks/triton_versions.py [--json OUT]
-    PYTHONPATH=/tmp/t39:src python3 benchmarks/triton_versions.py
+    python tools/triton_versions.py [--json OUT]                  # one environment's Triton
+    PYTHONPATH=/path/to/other/triton python tools/triton_versions.py  # another's, ahead of it on the path
 
 Prints one line per row (median ms of ``triton.testing.do_bench``) and, with ``--json``, writes them.
 Inputs: random L2-normalised bf16 tokens, d = 128, no masks (as benchmarks/bench.py).

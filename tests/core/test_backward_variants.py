@@ -1,4 +1,4 @@
-"""Kernel variants chosen by tuning hooks (launch.FORWARD_OVERRIDES / BACKWARD_OVERRIDES) compute the same
+"""Kernel variants chosen by tuning overrides (tuning.FORWARD_OVERRIDES / BACKWARD_OVERRIDES) compute the same
 function: the hard-max dD methods (dense one-hot, with and without the gradient's 16-bit split; each block of a
 document's tokens multiplied by its own entries, binned in its program; entries sorted by torch.sort), the hard-max
 dQ methods (a row at a time; a gather of several columns per step), the document-token split of the forward, the
@@ -9,7 +9,7 @@ import torch
 
 import flash_maxsim as fm
 from flash_maxsim import reference
-from flash_maxsim.kernels import launch
+from flash_maxsim.kernels import launch, tuning
 from flash_maxsim.ops import force_backend
 
 from .helpers import make_case
@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or launch.interpr
 
 
 @pytest.fixture
-def overrides():
-    yield launch
-    launch.FORWARD_OVERRIDES.clear()
-    launch.BACKWARD_OVERRIDES.clear()
+def overrides(monkeypatch):
+    """``tuning``, with empty forward and backward overrides of this test's own."""
+    monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward())
+    monkeypatch.setattr(tuning, "BACKWARD_OVERRIDES", tuning.Overrides.backward())
+    return tuning
 
 
 def _assert_forward_matches_reference(q, docs, qmask, dmask, smooth_tau):
@@ -197,7 +198,7 @@ def test_backward_tuning_knobs_compute_the_same_gradients(overrides, knobs, smoo
 @pytest.mark.parametrize("layout", ["masked", "packed", "candidates"])
 def test_smooth_gradients_load_each_streamed_tile_once(overrides, layout, dtype, d):
     """The smooth max's dQ and dD multiply each streamed tile (dQ: a document tile, dD: a block of query rows) twice,
-    once for the similarities and once for the gradient, from one load (session 19; chunked features keep two:
+    once for the similarities and once for the gradient, from one load (chunked features keep two:
     the similarities need every feature, the gradient its program's slice). Gradients and scores equal bit for bit
     those of the two loads before (``RELOAD_TILE``), masked document tokens holding NaN included (they load as 0
     and take no part), and match the float64 reference."""
@@ -222,10 +223,10 @@ def test_smooth_gradients_load_each_streamed_tile_once(overrides, layout, dtype,
     for reload in (True, False):
         overrides.BACKWARD_OVERRIDES.clear()
         overrides.BACKWARD_OVERRIDES.update(RELOAD_TILE=reload)
-        overrides._BACKWARD_PLANS.clear()
+        launch._BACKWARD_PLANS.clear()
         with force_backend("triton"):
             results.append(_grads(q, docs, **kw))
-        metas = [m for p in overrides._BACKWARD_PLANS.values() for m in (p.dq_meta, p.dd_meta)]
+        metas = [m for p in launch._BACKWARD_PLANS.values() for m in (p.dq_meta, p.dd_meta)]
         assert [m.get("RELOAD_TILE", False) for m in metas] == [reload, reload]
     (out0, _, gq0, _, gd0, _), (out, ref, gq, gq64, gd, gd64) = results
     assert torch.equal(out, out0) and torch.equal(gq, gq0) and torch.equal(gd, gd0)
@@ -254,7 +255,7 @@ def test_several_documents_per_program(overrides, smooth_tau, grouping, docs, gr
     tokens (shorter than a tile: a loop that finds each tile's document), an all-masked document, a second query
     block and a query longer than one row tile."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
+    monkeypatch.setattr(tuning, "sm_count", lambda: 4)
     # the run's mask values loaded a tile ahead (the compute-bound int8 grid's choice) on 50-token documents
     overrides.FORWARD_OVERRIDES.update(BLOCK_N=16, ROWS=16, PREFETCH_TOKENS=Ld == 50, **grouping)
     _assert_forward_matches_reference(*_masked_padded_problem(3, 20, 7, Ld, 16, 0.8, 0.6, seed=16), smooth_tau)
@@ -289,7 +290,7 @@ def test_default_runs_of_128_rows_on_8_warps(overrides, tma, monkeypatch):
     runs of several documents per program on 8 warps, copied by TMA (Hopper; the interpreter emulates it) or, with
     TMA turned off, by the threads, masks and an all-masked document; the same scores as the float64 reference."""
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-    monkeypatch.setattr(launch, "_sm_count", lambda: 4)
+    monkeypatch.setattr(tuning, "sm_count", lambda: 4)
     if not tma:
         overrides.FORWARD_OVERRIDES.update(TMA_DOCS=False)
     q, docs, qmask, dmask = _masked_padded_problem(1, 128, 24, 64, 32, 0.8, 0.6, seed=23)
@@ -422,7 +423,7 @@ def test_binned_document_gradient_blocks_and_chunks(overrides, layout, monkeypat
     g = torch.Generator().manual_seed(17)
     q = torch.randn(5, 16, 16, generator=g)
     q[:, 8:] = q[:, :8]                                  # each query's tokens 8-15 repeat its tokens 0-7
-    block_n = 128 if layout.endswith("128-token-blocks") else launch.BINNED_DD_BLOCK_N
+    block_n = 128 if layout.endswith("128-token-blocks") else tuning.BINNED_DD_BLOCK_N
     if layout == "candidates":
         docs = torch.randn(5, 2, 200, 16, generator=g)
         docs[:, 0, 150] = q.sum(1) * 4                   # token 150 of each query's first candidate dominates
@@ -436,7 +437,7 @@ def test_binned_document_gradient_blocks_and_chunks(overrides, layout, monkeypat
     q, docs, qmask = q.to(dev), docs.to(dev), qmask.to(dev)
     if layout == "ragged":
         docs = [docs[0], docs[1], docs[2, :0], docs[2, :129]]
-    if block_n != launch.BINNED_DD_BLOCK_N:
+    if block_n != tuning.BINNED_DD_BLOCK_N:
         overrides.BACKWARD_OVERRIDES["DD_BLOCK_N"] = block_n
     overrides.BACKWARD_OVERRIDES["DD_METHOD"] = "binned"
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
@@ -447,7 +448,7 @@ def test_binned_document_gradient_blocks_and_chunks(overrides, layout, monkeypat
     torch.testing.assert_close(gq.double(), gq64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gd.double(), gd64, rtol=1e-5, atol=1e-4)
     assert torch.equal(gd, again) and torch.equal(gq, again_q)
-    monkeypatch.setattr(launch, "BINNED_DD_MAX_ENTRIES", 8)
+    monkeypatch.setattr(tuning, "BINNED_DD_MAX_ENTRIES", 8)
     monkeypatch.setattr(launch, "_BACKWARD_PLANS", {})
     with force_backend("triton"):
         _, _, _, _, dense, _ = _grads(q, docs, queries_mask=qmask)

@@ -101,7 +101,7 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
     different Triton specialisation), must give bit for bit what Triton's own launch path gives on the same
     tensors (the kernels are deterministic), and scores matching the reference. (Gradients against float64 are
     tested with the tie-aware oracle elsewhere: here a near-tie could legitimately pick another token.)"""
-    from flash_maxsim.kernels import _launcher
+    from flash_maxsim.kernels import direct_launch
     g = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def shifted(shape, dtype, shift):
@@ -123,26 +123,26 @@ def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch
         docs = shifted((B, Ld, d), BF16, shift if misaligned == "documents" else 0)
         mask = shifted((B, Ld), torch.bool, shift if misaligned == "mask" else 0)
         w = torch.randn((Nq, B), generator=g, device=DEVICE)
-        runs_before = len(_launcher._RUNNERS)
+        runs_before = len(direct_launch._RUNNERS)
         cached = scores_and_grads(q, docs, mask, w)
         if i % 2:   # the second call of a specialisation launches what the first one bound
-            assert len(_launcher._RUNNERS) == runs_before, "a repeated specialisation was bound again"
+            assert len(direct_launch._RUNNERS) == runs_before, "a repeated specialisation was bound again"
         with monkeypatch.context() as m:
-            m.setattr(_launcher, "_enabled", False)
+            m.setattr(direct_launch, "_enabled", False)
             tritons_own = scores_and_grads(q, docs, mask, w)
         for a, b in zip(cached, tritons_own):
             assert torch.equal(a, b)
         ref = flash_maxsim.reference.maxsim(q.double(), docs.double(), documents_mask=mask)
         torch.testing.assert_close(cached[0].double(), ref, rtol=1e-5, atol=1e-4)
-    assert _launcher._enabled
+    assert direct_launch._enabled
 
 
 def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
     """On a Triton whose C launcher layout the launcher knows (3.6; 3.7-3.9), every kernel of scoring calls (bf16
     with and without TMA copies, an int8 index) and of a training step launches directly from its second call on
     (a silent fall back to Triton's compiled runner would cost 5-25 us per launch)."""
-    from flash_maxsim.kernels import _launcher
-    parts = _launcher._triton_launch_parts()
+    from flash_maxsim.kernels import direct_launch
+    parts = direct_launch._triton_launch_parts()
     if parts is None or parts[0] is None:
         pytest.skip("this Triton's C launcher layout is not one the launcher knows: its runner is used")
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -157,21 +157,22 @@ def test_repeated_launches_call_tritons_c_launcher_where_its_layout_is_known():
         flash_maxsim.maxsim(qq, dd).logsumexp(-1).sum().backward()
     calls = [lambda: flash_maxsim.maxsim(q, docs), lambda: flash_maxsim.maxsim(q96, docs96),
              lambda: flash_maxsim.maxsim(q, index), step]
-    _launcher._RUNNERS.clear()
+    direct_launch._RUNNERS.clear()
     for call in calls:
         call()
         call()
     torch.cuda.synchronize()
-    assert _launcher._enabled and _launcher._RUNNERS
+    assert direct_launch._enabled and direct_launch._RUNNERS
     not_direct = [(getattr(key[0], "fn", key[0]).__name__, type(entry).__name__)
-                  for key, entry in _launcher._RUNNERS.items() if not isinstance(entry, _launcher._CLauncherCall)]
+                  for key, entry in direct_launch._RUNNERS.items()
+                  if not isinstance(entry, direct_launch._CLauncherCall)]
     assert not_direct == [], not_direct
 
 
 _FP_FUSION_SCRIPT = """
 import warnings, torch, triton, flash_maxsim
 from flash_maxsim.kernels import backward, forward, forward_token_rows
-from flash_maxsim.kernels._launcher import compiled_kernels
+from flash_maxsim.kernels.direct_launch import compiled_kernels
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter('always')
     q = torch.randn(2, 32, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)
@@ -220,7 +221,7 @@ def test_training_forward_arg_max_pairs_match_one_max_per_row(Nq, B, Ld, ties, s
     Hopper) at training shapes: scores and saved arg-max bit for bit those of one max per row with the threads'
     copies, on random inputs and on small integers (ties everywhere), masks included."""
     from flash_maxsim import _layout
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})          # the plans of this test's calls only
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     if ties:
@@ -235,7 +236,7 @@ def test_training_forward_arg_max_pairs_match_one_max_per_row(Nq, B, Ld, ties, s
     p = _layout.canonicalize(q, d, qm, dm, masked="exclude", smooth_tau=None)
     results = []
     for overrides in ({}, {"ROW_PARTIALS": 1, "TMA_ONE_DOC": False}):
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(overrides))
         results.append(launch.forward(p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets,
                                       p.candidates, False, None, True, p.max_length, p.document_scales))
         meta = next(reversed(launch._FORWARD_PLANS.values())).meta
@@ -253,10 +254,11 @@ def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatc
     (kernels/_launcher.py). Scores must follow the documents' values and address: the same index again, its values
     changed in place, another index of the same shape, and a new one allocated where a freed one was, each
     bit for bit what Triton's own launch path gives (its descriptor made afresh) and close to the reference."""
-    from flash_maxsim.kernels import _launcher, launch
+    from flash_maxsim.kernels import direct_launch, launch, tuning
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability 9.0")
-    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True))
+    monkeypatch.setattr(tuning, "FORWARD_OVERRIDES",
+        tuning.Overrides.forward(dict(DOCS=4, PROGRAMS_PER_SM=0, TMA_DOCS=True)))
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     B = 40
     q = torch.randn(Nq, 31, d, generator=g, device=DEVICE).to(BF16)
@@ -267,7 +269,7 @@ def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatc
     def check(docs):
         got = flash_maxsim.maxsim(q, docs)
         with monkeypatch.context() as m:
-            m.setattr(_launcher, "_enabled", False)
+            m.setattr(direct_launch, "_enabled", False)
             tritons_own = flash_maxsim.maxsim(q, docs)
         assert torch.equal(got, tritons_own)
         ref = flash_maxsim.reference.maxsim(q.double(), docs.double())
@@ -286,12 +288,12 @@ def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatc
     check(a)
     plans = [p for p in launch._FORWARD_PLANS.values() if p.meta["TMA_DOCS"]]
     assert plans, "no run of documents was copied by TMA"
-    parts = _launcher._triton_launch_parts()
-    if parts is not None and parts[0] == _launcher._C_LAUNCH_FORMAT:     # Triton 3.6: the C launcher directly
-        entries = [e for k, e in _launcher._RUNNERS.items() if any(k[1] is p for p in plans)]
+    parts = direct_launch._triton_launch_parts()
+    if parts is not None and parts[0] == direct_launch._C_LAUNCH_FORMAT:     # Triton 3.6: the C launcher directly
+        entries = [e for k, e in direct_launch._RUNNERS.items() if any(k[1] is p for p in plans)]
         assert entries and all(type(e).__name__ == "_CLauncherCall" for e in entries)
         assert any(len(e.encoded) >= 2 for e in entries)
-    assert _launcher._enabled
+    assert direct_launch._enabled
     print(f"index reused its freed block: {c.data_ptr() == address}")
 
 def _peak_extra_bytes(fn):

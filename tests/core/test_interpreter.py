@@ -10,7 +10,7 @@ import triton.language as tl
 
 import flash_maxsim
 from flash_maxsim import _layout, reference
-from flash_maxsim.kernels import launch
+from flash_maxsim.kernels import launch, tuning
 from flash_maxsim.kernels.forward import _fold_row_partials, _tile_max_dropping_nan
 from flash_maxsim.ops import force_backend
 
@@ -158,7 +158,8 @@ def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, 
     scores, want_ref = build(torch.Generator().manual_seed(seed))
     results = []
     for partials in (1, 4, 8):
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(overrides, ROW_PARTIALS=partials))
+        monkeypatch.setattr(tuning, "FORWARD_OVERRIDES",
+            tuning.Overrides.forward(dict(overrides, ROW_PARTIALS=partials)))
         monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
         with force_backend("triton"):
             got = scores()
@@ -233,7 +234,7 @@ def test_narrow_tail_tiles_score_like_whole_ones(name, build, overrides, monkeyp
         want.backward(upstream)
     results = []
     for tail in (0, overrides["TAIL_N"]):
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(overrides, TAIL_N=tail))
+        monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(dict(overrides, TAIL_N=tail)))
         monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
         q_, d_ = q.clone().requires_grad_(train), d.clone().requires_grad_(train)
         with force_backend("triton"):
@@ -257,8 +258,8 @@ def test_training_forward_on_long_documents_matches_the_reference(masked, smooth
     """The training forward's default for long documents (256-row tiles, 3 stages, 16-token tail tiles; 8 queries
     x 32 tokens, 530-token documents ending 18 tokens into a tile), scores and both gradients against the float64
     reference, masks included (one SM assumed, so that two documents make enough programs)."""
-    monkeypatch.setattr(launch, "_sm_count", lambda: 1)
-    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {})
+    monkeypatch.setattr(tuning, "sm_count", lambda: 1)
+    monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward({}))
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(8, 32, 32, generator=g)
@@ -312,11 +313,11 @@ def test_training_forward_arg_max_pairs_keep_the_first_arg_max_on_ties(Ld, maske
     the scores are the float64 reference's, exactly. Documents of 300 tokens (64-token tiles, a partial last
     one) and of 530 (256-row tiles, 16-token tails, and the 32-token tail option: every group count of the fold),
     masks, a document with no valid token; with TMA copies and without."""
-    monkeypatch.setattr(launch, "_sm_count", lambda: 1)
-    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", {"TAIL_N": 32} if tail == 32 else {})
+    monkeypatch.setattr(tuning, "sm_count", lambda: 1)
+    monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward({"TAIL_N": 32} if tail == 32 else {}))
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     if not tma:
-        monkeypatch.setattr(launch, "_tensor_descriptors", lambda queries: False)
+        monkeypatch.setattr(tuning, "has_tma", lambda queries: False)
     g = torch.Generator().manual_seed(seed)
     nq = 8 if Ld == 530 else 4                       # 256 or 128 query-token rows
     q = torch.randint(-2, 3, (nq, 32, 32), generator=g).to(torch.bfloat16)
@@ -369,7 +370,7 @@ def test_several_documents_each_peeled_score_like_one_document_per_program(maske
     runs.append(("3 documents, whole tiles by TMA", dict(peeled, DOCS=3, PEEL_EACH_DOC=True, TMA_DOCS=True), True))
     results = []
     for label, overrides, each_peeled in runs:
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", overrides)
+        monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(overrides))
         monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
         with force_backend("triton"):
             got = flash_maxsim.maxsim(q, d, qm, dm, masked=masked, smooth_tau=smooth_tau)

@@ -138,7 +138,7 @@ def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layou
     masked modes, hard and smooth, d up to 256, documents sliced over several programs (as long ones are), several
     documents per program (as bandwidth-bound scoring streams them), a zero query token, masked query tokens and
     an all-masked document."""
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     from flash_maxsim.quantization import quantize_tokens
     _skip_without_kernels_for(kind)
     dev = _device()
@@ -179,21 +179,21 @@ def test_8bit_products_score_the_dequantized_query_against_the_index(kind, layou
     if layout == "sliced":
         # what long documents with few programs get: each document's tokens split over programs (here 2 slices
         # of 128 tokens), the per-row states combined afterwards
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DSPLIT", 3)
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "DSPLIT", 3)
     # d = 64: the run's scales and mask values loaded a tile ahead (as the compute-bound int8 grid does); d = 64 or
     # 96: the queries quantised before the launch (as that grid does too), the kernel reading their int8 values
     prefetch = layout.startswith("grouped") and d == 64
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "QUANTIZE_FIRST", d in (64, 96))
     # grouped at d = 48 and 64: the run's whole tiles (straddling two documents or not) copied through a tensor
     # descriptor (TMA on Hopper; at d = 48 its 64-feature blocks arrive with features 48-63 zero-filled)
     tma = layout.startswith("grouped") and d in (48, 64)
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "TMA_DOCS", tma)
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "TMA_DOCS", tma)
     if layout.startswith("grouped"):
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "PREFETCH_TOKENS", prefetch)
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "DOCS", 3)    # 5 documents: programs of 3 and of 2
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "PROGRAMS_PER_SM", 0)
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "PREFETCH_TOKENS", prefetch)
         # 32-row tiles (2 queries of 16 tokens, 2 query blocks): tiles may straddle documents with these
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, "ROWS", 32)
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "ROWS", 32)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
@@ -218,7 +218,7 @@ def test_int8_products_several_documents_per_program_with_query_splits(smooth, m
     """What compute-bound int8 scoring launches: several documents per program while the query's
     tokens are split over programs (here 16-row tiles: 3 splits of a 40-token query; 5 documents in programs of
     3 and 2), each split quantising its rows once for all its documents; d = 16 is zero-padded to 32 features."""
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
     dev = _device()
@@ -230,8 +230,8 @@ def test_int8_products_several_documents_per_program_with_query_splits(smooth, m
     dm[3] = False
     index = fm.quantize(docs, dm)
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "ROWS", 16)
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "DOCS", 3)
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "ROWS", 16)
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "DOCS", 3)
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, smooth_tau=smooth)
     (plan,) = launch._FORWARD_PLANS.values()
@@ -243,7 +243,7 @@ def test_int8_products_several_documents_per_program_with_query_splits(smooth, m
 
 
 def test_8bit_products_only_where_one_tile_holds_the_features(monkeypatch):
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     index = fm.quantize(torch.randn(2, 3, 300))
     assert launch.eight_bit_products(index.values, index.scales, 256, save_aux=False) == "int8"
     assert launch.eight_bit_products(index.values, index.scales, 300, save_aux=False) is None
@@ -257,12 +257,12 @@ def test_8bit_products_only_where_one_tile_holds_the_features(monkeypatch):
     q = torch.randn(2, 4, 64)
     assert not torch.equal(queries_as_scored(q, small), q)                  # quantised, within its rounding
     assert (queries_as_scored(q, small) - q).abs().max() <= q.abs().amax() / 254 * 1.0001
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "INT8_PRODUCTS", False)   # the tuning hook's comparison path
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "INT8_PRODUCTS", False)   # the tuning hook's comparison path
     assert launch.eight_bit_products(small.values, small.scales, 64, save_aux=False) is None
     assert queries_as_scored(q, small) is q
     # fp8: quantised to e4m3 per token (3 mantissa bits: within 2^-4 of each value, or 2^-9 of the scale)
     assert (queries_as_scored(q, fp8) - q).abs().max() <= (q.abs() / 16 + q.abs().amax(-1, keepdim=True) / 448 / 2**9).max()
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "FP8_PRODUCTS", False)
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "FP8_PRODUCTS", False)
     assert queries_as_scored(q, fp8) is q
 
 
@@ -272,10 +272,10 @@ def test_non_finite_query_tokens_score_nan_against_an_int8_index(backend, quanti
     """A NaN or infinite value in a valid query token: its quantisation scale is not finite, so every score it
     enters is NaN, on the kernels (which quantise it in registers, or read it quantised before the launch) as on
     the CPU path; the same token masked out changes nothing. A document with no valid token still adds 0 for it."""
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     if not _backend_ok(backend):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
-    monkeypatch.setitem(launch.FORWARD_OVERRIDES, "QUANTIZE_FIRST", quantize_first)
+    monkeypatch.setitem(tuning.FORWARD_OVERRIDES, "QUANTIZE_FIRST", quantize_first)
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     dev = _device()
     g = torch.Generator().manual_seed(19)
@@ -455,7 +455,7 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
     """Whole int8 tiles come by TMA from a tensor descriptor, which needs a 16-byte aligned base: an index whose
     values start 1 byte into their storage takes the per-thread copies instead (a plan of its own, the base's
     alignment being part of the plan's key), with the same scores as the aligned index."""
-    from flash_maxsim.kernels import _launcher, launch
+    from flash_maxsim.kernels import direct_launch, launch, tuning
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
     dev = _device()
@@ -470,15 +470,15 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
     misaligned = fm.QuantizedDocuments(values=shifted, scales=index.scales)
     assert misaligned.values.data_ptr() % 16 == 1
     for knob, value in dict(DOCS=3, PROGRAMS_PER_SM=0, BLOCK_N=16, QUANTIZE_FIRST=True, TMA_DOCS=True).items():
-        monkeypatch.setitem(launch.FORWARD_OVERRIDES, knob, value)
+        monkeypatch.setitem(tuning.FORWARD_OVERRIDES, knob, value)
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     launched = []
-    real_launch = _launcher.launch
+    real_launch = direct_launch.launch
 
     def record(kernel, grid, tensors, scalars, meta, *rest, **kw):
         launched.append(meta["TMA_DOCS"])
         return real_launch(kernel, grid, tensors, scalars, meta, *rest, **kw)
-    monkeypatch.setattr(_launcher, "launch", record)
+    monkeypatch.setattr(direct_launch, "launch", record)
     with force_backend("triton"):
         aligned_scores, misaligned_scores = fm.maxsim(q, index), fm.maxsim(q, misaligned)
     aligned_plan, misaligned_plan = launch._FORWARD_PLANS.values()
@@ -492,8 +492,8 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
 
 def _scores_with(monkeypatch, q, index, qm=None, masked="exclude", **knobs):
     """Scores through the kernels with these FORWARD_OVERRIDES knobs (and only these), and the one plan used."""
-    from flash_maxsim.kernels import launch
-    monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(knobs))
+    from flash_maxsim.kernels import launch, tuning
+    monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(dict(knobs)))
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
     with force_backend("triton"):
         got = fm.maxsim(q, index, qm, masked=masked)
@@ -749,7 +749,7 @@ def test_token_rows_kernel_nan_tokens(kind, monkeypatch):
 def test_token_rows_kernel_only_where_it_applies(monkeypatch):
     """The token-rows kernel takes the hard max over runs of documents of one block of at most 32 query rows:
     the smooth max, per-query candidates, ragged documents and more than 32 query rows keep the tile kernel."""
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import launch, tuning
     dev = _device()
     if not _backend_ok("triton"):
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
@@ -762,7 +762,7 @@ def test_token_rows_kernel_only_where_it_applies(monkeypatch):
                         None, False)}
     for name, (queries, docs, tau, expected) in cases.items():
         monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
-        monkeypatch.setattr(launch, "FORWARD_OVERRIDES", dict(_TOKEN_ROWS))
+        monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(dict(_TOKEN_ROWS)))
         with force_backend("triton"):
             got = fm.maxsim(queries, docs, smooth_tau=tau)
         (plan,) = launch._FORWARD_PLANS.values()

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_clocks.py (what ``ab_forward.py --clocks`` prints beside each timed pass) on this GPU-less machine:
-nvidia-smi's CSV lines parsed and summarised, samples stamped as they arrive and kept to a pass's window of time,
-and a missing or failing nvidia-smi reported instead of stopping the benchmark."""
+"""tools/gpu_clocks.py (what ``ab_forward.py --clocks`` prints beside each timed pass), without a GPU: nvidia-smi's
+CSV lines parsed and summarised, samples stamped as they arrive and kept to a pass's window of time, and a missing
+or failing nvidia-smi reported instead of stopping the benchmark."""
 
 import stat
 import sys

@@ -1,8 +1,7 @@
-"""The kernels compile for Hopper (sm_90) and Ampere (sm_80) on this GPU-less machine, for every specialisation the
-launcher picks on benchmarks/offline_compile.py's problems, without local arrays, without spills in the tile loops
-of the paths named below, and on the tensor-core instructions each path is meant to use. The interpreter
-(test_interpreter.py) checks the arithmetic but never runs the compiler: a kernel change can pass it and still fail
-to compile on a GPU (as the last test here shows)."""
+"""The kernels compile for Hopper (sm_90) and Ampere (sm_80) without a GPU, for every specialisation the launcher
+picks on tools/offline_compile.py's problems, without local arrays, without spills in the tile loops of the paths
+named below, and on the tensor-core instructions each path is meant to use. The interpreter checks the arithmetic
+but never runs the compiler: a kernel change can pass it and still fail to compile (the last test here)."""
 
 import json
 import os
@@ -15,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_maxsim.kernels import launch
+from flash_maxsim.kernels import launch, tuning
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "offline_compile.py"
@@ -55,8 +54,11 @@ def ampere(tmp_path_factory):
     return _compile_all(tmp_path_factory, 80, 108)
 
 
-def _by_case(rows, case, kernel="maxsim_fwd_kernel"):
-    found = [r for r in rows if r["case"] == case and r.get("kernel") == kernel]
+def _by_case(rows, case, kernel="maxsim_fwd_kernel", programs=None):
+    """The one compiled launch of ``kernel`` in ``case`` (of maxsim_bwd_kernel: its ``programs``, "dq" or "dd",
+    where the case launches it twice)."""
+    found = [r for r in rows if r["case"] == case and r.get("kernel") == kernel
+             and (programs is None or r["meta"].get("PROGRAMS") == programs)]
     assert len(found) == 1, f"{case} / {kernel}: {found}"
     return found[0]
 
@@ -74,12 +76,12 @@ def test_every_specialisation_compiles_to_a_direct_launch_without_local_arrays(t
     assert proc.returncode == 0, proc.stdout[-3000:]
     kernels = {r["kernel"] for r in rows}
     # the token-rows kernel needs TMA: Hopper only
-    assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_dq_kernel", "maxsim_bwd_dq_gather_kernel",
-                       "maxsim_bwd_dd_dense_kernel", "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_binned_kernel",
-                       "maxsim_bwd_fused_kernel", "maxsim_combine_slices_kernel"} | (
+    assert kernels == {"maxsim_fwd_kernel", "maxsim_bwd_kernel", "maxsim_bwd_dq_gather_kernel",
+                       "maxsim_bwd_dd_sparse_kernel", "maxsim_bwd_dd_binned_kernel",
+                       "maxsim_combine_slices_kernel"} | (
         {"maxsim_fwd_token_rows_kernel"} if target == "hopper" else set())
     assert len(rows) >= 35
-    # every launch binds all its kernel's constexprs, so later calls take the direct C launch (kernels/_launcher.py)
+    # every launch binds all its kernel's constexprs, so later calls take the direct C launch (kernels/direct_launch.py)
     assert all(r["direct_launch"] for r in rows), [(r["case"], r["kernel"]) for r in rows if not r["direct_launch"]]
     # (register spills go to the stack frame, which several kernels use a little outside their loops: the tests
     # below check the loops of the paths they name)
@@ -101,7 +103,7 @@ def test_int8_index_uses_int8_tensor_cores(hopper):
     # nothing spilled in the tile loop
     row = _by_case(rows, "int8 1x3k 32x300 (several documents per program)", "maxsim_fwd_token_rows_kernel")
     assert set(row["mma"]) == {"wgmma s8"} and row["meta"]["TMA_DOCS"] and row["meta"]["BLOCK_N"] == 64
-    assert row["registers"] <= (80 if launch.TOKEN_ROWS_INT8_NEEDS_75_REGISTERS else 64) and row["num_warps"] == 4
+    assert row["registers"] <= (80 if tuning.TOKEN_ROWS_INT8_NEEDS_75_REGISTERS else 64) and row["num_warps"] == 4
     assert not any(_spill_instructions(loop) for loop in row["loops"]), row["loops"]
     assert _by_case(rows, "int8 1x300 1024x1024 masked")["meta"]["BLOCK_N"] == 128
     # the compute-bound grid reads queries quantised before the launch; the bandwidth-bound one quantises them
@@ -129,7 +131,7 @@ def test_fp8_index_uses_fp8_tensor_cores_where_hopper_has_them(hopper):
     assert not compute["meta"]["BITCAST_SUMS"]          # fp32 sums already: nothing to bit-cast
     # its 8 partial maxima per row folded in a fixed chain where tl.reduce would fold them as a tree (Triton >= 3.8)
     assert compute["meta"]["ROW_PARTIALS"] == 8
-    assert compute["meta"].get("CHAINED_MAX", False) == launch.REDUCE_IS_A_TREE
+    assert compute["meta"].get("CHAINED_MAX", False) == tuning.REDUCE_IS_A_TREE
     assert set(compute["mma"]) == {"wgmma e4m3"} and compute["local_bytes"] == 0
     for case in ("fp8 1x500 32x300", "fp8 1x3k 32x300 tile kernel (runs of documents)"):
         row = _by_case(rows, case)
@@ -149,7 +151,7 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
     converted = _by_case(rows, "int8 1x4k 1024x1024 converted sums")
     bitcast = _by_case(rows, "int8 1x4k 1024x1024 (runs of documents by TMA)")
     assert bitcast["meta"]["BITCAST_SUMS"] and bitcast["meta"]["Q_QUANTIZED"] and bitcast["meta"]["TMA_DOCS"]
-    assert bitcast["meta"]["CHAINED_MAX"]               # its tile max folded in a fixed chain (session 43)
+    assert bitcast["meta"]["CHAINED_MAX"]               # its tile max folded in a fixed chain
     assert not converted["meta"]["BITCAST_SUMS"] and "CHAINED_MAX" not in converted["meta"]
     # the longest loop issuing tensor-core products: the loop over document tiles
     before = next(loop for loop in converted["loops"] if any(op.startswith("IGMMA") for op in loop["ops"]))
@@ -166,9 +168,9 @@ def test_bitcast_sums_take_no_conversion_per_similarity(hopper):
                                   "fp8 1x3k 32x300 (runs of documents)"])
 def test_token_rows_kernel_copies_its_query_to_shared_memory_once(hopper, case):
     """The token-rows kernel's products read the quantized query tile (their second operand) from shared memory: it
-    is copied there once, before the tile loop, not stored again every tile (Triton 3.9 kept that copy inside the
-    loop while the query's transpose was there, from registers it spilled: session 41); and the programs its grid
-    puts on each SM fit the register file together (Triton 3.9 before that change: fp8 163 registers, 3 of 4)."""
+    is copied there once, before the tile loop, not stored again every tile (Triton 3.9 keeps that copy inside the
+    loop where the query's transpose is there, from registers it spills); and the programs its grid puts on each SM
+    fit the register file together."""
     row = _by_case(hopper[1], case, "maxsim_fwd_token_rows_kernel")
     assert row["loop_allocations"] == [], row["loop_allocations"]
     per_sm = -(-row["grid"][0] // 132)
@@ -181,8 +183,8 @@ def test_hard_max_gradients_gather_and_bin_in_two_launches(hopper, ampere):
     on the CUDA cores (1024 programs, no partial sums), then the binned dD, one program of 4 warps per block of 64
     tokens (256 x 17 of them), each holding its document's 8192 entries in registers to pick its own, which it
     multiplies by their query rows on the tensor cores (wgmma on Hopper, mma.sync before), its registers capped at
-    128 for 4 programs per SM, which spills a little to the stack (session 24: faster so, run45/call2_ab_dd_cap.txt);
-    no local memory, at most 48 KiB of shared memory."""
+    128 for 4 programs per SM, which spills a little to the stack (faster so); no local memory, at most 48 KiB of
+    shared memory."""
     case = "train bf16 ColPali B256"
     for rows, mma in ((hopper[1], "wgmma bf16"), (ampere[1], "mma.sync bf16")):
         gather = _by_case(rows, case, "maxsim_bwd_dq_gather_kernel")
@@ -191,7 +193,7 @@ def test_hard_max_gradients_gather_and_bin_in_two_launches(hopper, ampere):
         for row in (gather, binned):
             assert row["local_bytes"] == 0 and row["shared_bytes"] <= 48 * 1024
         assert gather["stack_bytes"] == 0
-        assert binned["registers"] <= launch.BINNED_DD_MAXNREG and binned["stack_bytes"] <= 256
+        assert binned["registers"] <= tuning.BINNED_DD_MAXNREG and binned["stack_bytes"] <= 256
         assert gather["grid"] == [256 * 32 // 8] and binned["grid"] == [256 * 17]
 
 
@@ -262,7 +264,7 @@ def test_several_documents_each_peeled_keep_the_tile_loops_of_one(hopper):
 
 
 def test_documents_ending_inside_a_tile_default_to_peeled_runs_at_128_registers(hopper):
-    """The 256-row default where documents end inside a tile (session 20): about 2 programs per SM, each scoring a
+    """The 256-row default where documents end inside a tile: about 2 programs per SM, each scoring a
     share of the documents with a loop per document, its last tile in 16-token products; within 128 registers (2
     programs of 8 warps per SM), nothing spilled in a loop."""
     row = _by_case(hopper[1], "bf16 64x1k 32x300 (256 rows)")
@@ -275,7 +277,7 @@ def test_documents_ending_inside_a_tile_default_to_peeled_runs_at_128_registers(
         assert not _spill_instructions(loop)
     products = sorted(op for loop in tile_loops for op in loop["ops"] if "GMMA" in op)
     assert products == ["HGMMA.64x16x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], products
-    # since session 21 the whole tiles arrive by TMA (no per-thread copies in their loop), the tail's by the threads
+    # the whole tiles arrive by TMA (no per-thread copies in their loop), the tail's by the threads
     whole, tail = sorted(tile_loops, key=lambda loop: "HGMMA.64x16x16.F32.BF16" in loop["ops"])
     assert any(op.startswith("UTMALDG") for op in whole["ops"]) and not any("LDGSTS" in op for op in whole["ops"])
     assert any("LDGSTS" in op for op in tail["ops"])
@@ -287,7 +289,7 @@ def _tile_loops(row):
 
 
 def test_training_forward_on_long_documents_takes_256_rows_without_spills(hopper):
-    """The training forward's default on ColPali-length documents (session 21): 256-row tiles on 8 warps, 3 stages,
+    """The training forward's default on ColPali-length documents: 256-row tiles on 8 warps, 3 stages,
     the last tile in 16-token products, nothing spilled in either loop."""
     for case in ("train bf16 ColPali B64 32x1030 (256 rows)", "train bf16 ColPali B64 32x1030 (256 rows), one max "
                  "per row"):
@@ -304,11 +306,10 @@ def test_training_forward_on_long_documents_takes_256_rows_without_spills(hopper
 @pytest.mark.parametrize("case", ["train bf16 in-batch B128 32x300", "train bf16 B64 + 7 negatives 32x300",
                                   "train bf16 ColPali B64 32x1030 (256 rows)"])
 def test_training_forward_arg_max_pairs_fold_tiles_without_shuffles(hopper, case):
-    """The training forward's hard max (session 22): 8 partial (max, arg-max) pairs per row fold each tile with a
-    compare, a max and a select per similarity and no shuffle or integer min-reduction, in fewer instructions per
-    tile than one max and arg-max per row (offline sm_90, B64 + 7 negatives: 340 against 396), on no more shared
-    memory (the splits move no data), nothing spilled; Hopper copies the whole tiles by TMA, the tail by the
-    threads."""
+    """The training forward's hard max: 8 partial (max, arg-max) pairs per row fold each tile with a compare, a max
+    and a select per similarity and no shuffle or integer min-reduction, in fewer instructions per tile than one max
+    and arg-max per row, on no more shared memory (the splits move no data), nothing spilled; Hopper copies the whole
+    tiles by TMA, the tail by the threads."""
     pairs = _by_case(hopper[1], case)
     single = _by_case(hopper[1], case + ", one max per row")
     assert (pairs["meta"]["ROW_PARTIALS"], single["meta"]["ROW_PARTIALS"]) == (8, 1)
@@ -331,18 +332,19 @@ def test_smooth_gradients_load_each_streamed_tile_once(hopper):
     """The smooth max's dQ (document tiles) and dD (blocks of query rows) load each streamed tile once for their two
     products: half the 128-bit loads per iteration of the tile loops of the two loads before (``RELOAD_TILE``), and
     dQ in one pipeline buffer less of shared memory."""
-    for kernel in ("maxsim_bwd_dq_kernel", "maxsim_bwd_dd_dense_kernel"):
-        once = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", kernel)
-        twice = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice", kernel)
+    for programs in ("dq", "dd"):
+        once = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", "maxsim_bwd_kernel", programs)
+        twice = _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice",
+                         "maxsim_bwd_kernel", programs)
 
         def wide_loads(row):
             return sum(n for loop in row["loops"] for op, n in loop["ops"].items()
                        if op in ("LDGSTS.E.BYPASS.128", "LDG.E.128"))
-        assert 0 < 2 * wide_loads(once) <= wide_loads(twice), kernel
-        assert once["shared_bytes"] <= twice["shared_bytes"] and once["local_bytes"] == 0, kernel
-    assert (_by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", "maxsim_bwd_dq_kernel")["shared_bytes"]
-            < _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice",
-                       "maxsim_bwd_dq_kernel")["shared_bytes"])
+        assert 0 < 2 * wide_loads(once) <= wide_loads(twice), programs
+        assert once["shared_bytes"] <= twice["shared_bytes"] and once["local_bytes"] == 0, programs
+    assert (_by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked", "maxsim_bwd_kernel", "dq")["shared_bytes"]
+            < _by_case(hopper[1], "train bf16 smooth ColPali B16 unmasked, tiles loaded twice", "maxsim_bwd_kernel",
+                       "dq")["shared_bytes"])
 
 
 def test_padded_features_and_128_rows_stream_in_runs(hopper):

@@ -1,8 +1,7 @@
-"""Memory of the GPU path's training step, on this GPU-less machine: benchmarks/offline_memory.py runs the CUDA
-host code with the kernels not run and tracks every allocation (validated against the device's
-max_memory_allocated to within 0.7 MiB on bench.py's training rows). What the tests hold it to: the peak of a
-step is its outputs (scores, both gradients) plus the saved per-(query, document, query token) state plus the
-loss's own [Nq, C] temporaries, and nothing grows with Nq * B * Lq * Ld."""
+"""Memory of the GPU path's training step, without a GPU (tools/offline_memory.py: the CUDA host code runs with the
+kernels not run, every allocation tracked): the peak of a step is its outputs (scores, both gradients) plus the
+saved per-(query, document, query token) state plus the loss's own [Nq, C] temporaries, and nothing grows with
+Nq * B * Lq * Ld."""
 
 import sys
 from pathlib import Path
@@ -16,14 +15,14 @@ from offline_memory import MiB, TRAINING_STEPS, TrainingStep, peak_above_inputs 
 
 def _binned_dd_scratch(step: TrainingStep, forced=False) -> int:
     """Bytes of the binned hard-max dD's scratch (each document's entry ids grouped by block of tokens, int16), or 0
-    where the step takes the dense dD: the smooth max, where launch's default_dd_method picks the dense one (unless
+    where the step takes the dense dD: the smooth max, where tuning's default_dd_method picks the dense one (unless
     ``forced``), more entries per document than a program holds."""
-    from flash_maxsim.kernels import launch
+    from flash_maxsim.kernels import tuning
     entries = step.Lq if step.kd else step.Nq * step.Lq
-    e_pow2 = launch._pow2(max(entries, 16))
+    e_pow2 = tuning.pow2(max(entries, 16))
     n_docs = step.Nq * step.B if step.kd else step.B
-    default = launch.default_dd_method(step.Ld, entries)
-    if step.smooth_tau is not None or e_pow2 > launch.BINNED_DD_MAX_ENTRIES or not (forced or default == "binned"):
+    default = tuning.default_dd_method(step.Ld, entries)
+    if step.smooth_tau is not None or e_pow2 > tuning.BINNED_DD_MAX_ENTRIES or not (forced or default == "binned"):
         return 0
     return n_docs * e_pow2 * 2
 
@@ -98,8 +97,8 @@ def test_binned_document_gradient_adds_only_its_scratch(step, monkeypatch):
     """The binned hard-max dD (DD_METHOD="binned": dQ and dD in two launches) peaks at the larger of the two
     launches' phases, the dD phase holding the documents' gradient, dQ and each document's entry ids grouped by
     block (int16): ColPali B256 4 MiB more than its outputs and saved state."""
-    from flash_maxsim.kernels import launch
-    monkeypatch.setitem(launch.BACKWARD_OVERRIDES, "DD_METHOD", "binned")
+    from flash_maxsim.kernels import tuning
+    monkeypatch.setitem(tuning.BACKWARD_OVERRIDES, "DD_METHOD", "binned")
     fn, inputs = step.build()
     peak, live = peak_above_inputs(fn, inputs)
     n_docs = step.Nq * step.B if step.kd else step.B

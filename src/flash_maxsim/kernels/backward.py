@@ -5,7 +5,7 @@ Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary va
 - hard max, ``AUX[q, col, i]`` = first arg-max token ``j`` (-1: no gradient)
     dQ[q, i] = sum_col G[q, col] * D[doc(q, col), j]      (a gather: several columns per step where dQ has its
                own launch, maxsim_bwd_dq_gather_kernel; a row at a time beside the dense dD, _dq_program)
-    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: maxsim_bwd_dd_dense_kernel, few entries)
+    dD[t]    = sum_q (onehot_j * G[q, col])^T @ Q[q]     (tensor cores: _dd_dense_program, few entries)
              or, each block of a document's tokens' one-hot over its own entries only, picked out of the
                document's in its program (maxsim_bwd_dd_binned_kernel; the default for documents of many entries)
              or, entries pre-sorted by destination row, a gather per row   (maxsim_bwd_dd_sparse_kernel, opt-in)
@@ -13,30 +13,19 @@ Given the upstream gradient ``G[q, col]`` and the forward's per-row auxiliary va
   rounds the gradient); with fp32 gradients asked for, as two 16-bit parts (hi + lo): G kept whole.
 - smooth max, ``AUX[q, col, i]`` = row log-sum-exp (+inf: no gradient); ``P = exp((S - AUX) / tau)`` is
   recomputed tile by tile from ``S = Q D^T`` (flash-attention style):
-    dQ[q]  = sum_col P[q, col] * G[q, col] @ D[doc]                           (maxsim_bwd_dq_kernel)
-    dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (maxsim_bwd_dd_dense_kernel)
+    dQ[q]  = sum_col P[q, col] * G[q, col] @ D[doc]                           (_dq_program)
+    dD[t]  = sum_q (P[q, col] * G[q, col])^T @ Q[q]                           (_dd_dense_program)
   ``P * G`` is rounded to the input dtype before the tensor-core product, as flash attention rounds ``P``.
 Masked (constant) similarities get no gradient in either mode.
 
-Each kernel's body is a ``_*_program(pid, ...)`` function; ``maxsim_bwd_fused_kernel`` runs dQ's programs and the
-dense dD's in one grid (one launch for both gradients of the hard max, whose tiles agree).
+The row-at-a-time dQ and the dense dD are ``_*_program(pid, ...)`` functions, run by ``maxsim_bwd_kernel`` alone or
+both in one grid (one launch for both gradients of the hard max, whose tiles agree).
 """
 
 import triton
 import triton.language as tl
 
-from .forward import _similarity_tile
-
-
-@triton.jit
-def _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, RAGGED: tl.constexpr):
-    """(first-row offset into D, first-row offset into the mask, length) of document t."""
-    if RAGGED:
-        start = tl.load(OFFSETS + t).to(tl.int64)
-        dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
-        return start * stride_dl, start * stride_dml, dlen
-    else:
-        return t * stride_dt, t * stride_dmt, Ld
+from .forward import _doc_location, _similarity_tile
 
 
 @triton.jit
@@ -106,10 +95,10 @@ def _dq_program(
                 in_range = n < dlen
                 d_row_off = d_base + n * stride_dl
                 if D_CHUNKS == 1 and not HAS_DMASK and not RELOAD_TILE:
-                    # one load of the document tile for both products, S = Q D^T and P D (session 19: the tile was
-                    # loaded twice, 16 KB more per 64 tokens and a second pipeline buffer). Not with a documents'
-                    # mask: its values would then gate the load a stage ahead (offline sm_90: ~40 more spills and
-                    # reloads per tile at the 255-register limit)
+                    # one load of the document tile for both products, S = Q D^T and P D (loaded twice, it takes
+                    # 16 KB more per 64 tokens and a second pipeline buffer). Not with a documents' mask: its values
+                    # would then gate the load a stage ahead (sm_90: ~40 more spills and reloads per tile at the
+                    # 255-register limit)
                     valid = in_range
                     d_tile = tl.load(D + d_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_dd,
                                      mask=valid[:, None] & (d_cols0[None, :] < d), other=0.0)
@@ -301,9 +290,9 @@ def maxsim_bwd_dd_binned_kernel(
     entries at a time by their gathered query rows on the tensor cores: about ``n_entries`` rows of work per
     document, where the dense kernel multiplies each block by all of them. Each entry's token is gathered again,
     beside its gradient and query row (no longer a chain of dependent loads than keys carrying the token, for half
-    their scratch: ColPali B256 4 MiB). It replaced session 16's sort of each document's entries in a launch of its
-    own (40 us of the B64 + 7 negatives backward, 241 us of ColPali B256's). Fixed order: deterministic. Every row
-    of every block inside the document is written."""
+    their scratch: ColPali B256 4 MiB). No sort of the entries in a launch of its own (the sparse dD's: 241 us of
+    ColPali B256's backward on an H200). Fixed order: deterministic. Every row of every block inside the document is
+    written."""
     pid = tl.program_id(0)
     t = (pid // n_blocks).to(tl.int64)
     b = pid % n_blocks
@@ -424,8 +413,8 @@ def _dd_dense_program(
                 q_row_off = qidx * stride_qn + tok * stride_ql
                 aux_ptr = AUX + qidx * stride_an + col * stride_ac + tok * stride_al
                 g = tl.load(G + qidx * stride_gn + col * stride_gc, mask=row_ok, other=0.0).to(tl.float32)
-                # the smooth max's query rows loaded once for both products, S^T = D Q^T and P^T Q (session 19:
-                # they were loaded twice, 32 KB more per 128 rows), where the features are not chunked
+                # the smooth max's query rows loaded once for both products, S^T = D Q^T and P^T Q (loaded twice,
+                # they take 32 KB more per 128 rows), where the features are not chunked
                 rows_once: tl.constexpr = SMOOTH and D_CHUNKS == 1 and not RELOAD_TILE
                 if rows_once:
                     q_rows = tl.load(Q + q_row_off[:, None] + d_cols0[None, :].to(tl.int64) * stride_qd,
@@ -454,62 +443,11 @@ def _dd_dense_program(
              acc.to(DD.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
 
 
+# The kernel below spells out the parameters of both programs, and calls them with each: a @triton.jit function's
+# parameters are those of its own ``def`` (Triton 3.2-3.9 bind a kernel's arguments by that signature, and take no
+# ``*args`` in a kernel), so one parameter list cannot serve a kernel and the functions it calls.
 @triton.jit
-def maxsim_bwd_dq_kernel(
-    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
-    Nq, Lq, d, Ld, C, K,
-    n_qblocks, n_splits, n_csplits, cols_per_split,
-    stride_gn, stride_gc,
-    stride_qn, stride_ql, stride_qd,
-    stride_dt, stride_dl, stride_dd,
-    stride_qmn, stride_qml,
-    stride_dmt, stride_dml,
-    stride_an, stride_ac, stride_al,
-    stride_os, stride_on, stride_ol, stride_od,
-    inv_tau_log2e,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
-    SMOOTH: tl.constexpr,
-    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
-):
-    _dq_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
-                Nq, Lq, d, Ld, C, K, n_qblocks, n_splits, n_csplits, cols_per_split,
-                stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
-                stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
-                stride_os, stride_on, stride_ol, stride_od, inv_tau_log2e,
-                PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
-                PRECISION, RELOAD_TILE)
-
-
-@triton.jit
-def maxsim_bwd_dd_dense_kernel(
-    G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
-    Nq, Lq, d, Ld, K,
-    n_nblocks,
-    stride_gn, stride_gc,
-    stride_qn, stride_ql, stride_qd,
-    stride_dt, stride_dl, stride_dd,
-    stride_qmn, stride_qml,
-    stride_dmt, stride_dml,
-    stride_an, stride_ac, stride_al,
-    stride_odt, stride_odl, stride_odd,
-    inv_tau_log2e,
-    PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
-    SMOOTH: tl.constexpr,
-    QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
-):
-    _dd_dense_program(tl.program_id(0).to(tl.int64), G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
-                      Nq, Lq, d, Ld, K, n_nblocks,
-                      stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
-                      stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
-                      stride_odt, stride_odl, stride_odd, inv_tau_log2e,
-                      PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
-                      PRECISION, G_SPLIT, RELOAD_TILE)
-
-
-@triton.jit
-def maxsim_bwd_fused_kernel(
+def maxsim_bwd_kernel(
     G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ, DD,
     Nq, Lq, d, Ld, C, K,
     n_qblocks, n_splits, n_csplits, cols_per_split, n_nblocks, n_dq_programs,
@@ -525,24 +463,35 @@ def maxsim_bwd_fused_kernel(
     PAIRED: tl.constexpr, RAGGED: tl.constexpr, HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr,
     SMOOTH: tl.constexpr,
     QPB: tl.constexpr, TOKB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, G_SPLIT: tl.constexpr, RELOAD_TILE: tl.constexpr = False,
+    PROGRAMS: tl.constexpr = "both",
 ):
-    """Both gradients in one launch (one launch less per step, where the host bounds a small step): the first
-    ``n_dq_programs`` programs are the dQ kernel's, the rest the dense dD kernel's, with the same tiles."""
+    """dQ a row tile at a time (``_dq_program``; ``PROGRAMS="dq"``), the dense dD (``_dd_dense_program``;
+    ``"dd"``), or both in one launch (``"both"``: the first ``n_dq_programs`` programs are dQ's, the rest dD's, with
+    the same tiles; one launch less per step, where the host bounds a small step). The arguments of the programs
+    not launched are not read."""
     pid = tl.program_id(0).to(tl.int64)
-    if pid < n_dq_programs:
+    if PROGRAMS == "dq":
+        dq_program = True
+    elif PROGRAMS == "dd":
+        dq_program = False
+    else:
+        dq_program = pid < n_dq_programs
+    if dq_program:
         _dq_program(pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DQ,
                     Nq, Lq, d, Ld, C, K, n_qblocks, n_splits, n_csplits, cols_per_split,
                     stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
                     stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
                     stride_os, stride_on, stride_ol, stride_od, inv_tau_log2e,
                     PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS, UPCAST,
-                    PRECISION)
+                    PRECISION, RELOAD_TILE)
     else:
-        _dd_dense_program(pid - n_dq_programs, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
+        if PROGRAMS == "both":
+            pid = pid - n_dq_programs
+        _dd_dense_program(pid, G, Q, D, QMASK, DMASK, OFFSETS, AUX, DD,
                           Nq, Lq, d, Ld, K, n_nblocks,
                           stride_gn, stride_gc, stride_qn, stride_ql, stride_qd, stride_dt, stride_dl, stride_dd,
                           stride_qmn, stride_qml, stride_dmt, stride_dml, stride_an, stride_ac, stride_al,
                           stride_odt, stride_odl, stride_odd, inv_tau_log2e,
                           PAIRED, RAGGED, HAS_QMASK, HAS_DMASK, SMOOTH, QPB, TOKB, BLOCK_N, BLOCK_D, D_CHUNKS,
-                          UPCAST, PRECISION, G_SPLIT)
+                          UPCAST, PRECISION, G_SPLIT, RELOAD_TILE)

@@ -49,6 +49,17 @@ def _document_tile(d_ptrs, token_ok, d_cols, d, D_DESC, tma_row, MASK_TOKENS: tl
 
 
 @triton.jit
+def _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, RAGGED: tl.constexpr):
+    """(first-row offset into D, first-row offset into the mask, length) of document t."""
+    if RAGGED:
+        start = tl.load(OFFSETS + t).to(tl.int64)
+        dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
+        return start * stride_dl, start * stride_dml, dlen
+    else:
+        return t * stride_dt, t * stride_dmt, Ld
+
+
+@triton.jit
 def _similarity_tile(
     q_tile, Q, q_row_off, row_ok, D, d_row_off, col_ok, d_cols0,
     stride_qd, stride_dd, d,
@@ -199,10 +210,9 @@ def _tile_similarities(
     in_range = n < n_hi
     if HAS_SCALES and QUANTIZE_Q:
         # int8 x int8 products: the scales are loaded before the products, so that their latency overlaps the wait
-        # for the document tile and the products (the pipeliner issues ahead only the loads that feed tl.dot;
-        # session 12: loaded after them, 38% of the int8 streaming grid's stall samples waited on the scales; before
-        # them, 1x10k 32x300 0.1106 vs 0.1120 ms). Not for converted documents (fp8 1024x1024 5.83 vs 5.48 ms) nor
-        # for the mask values (the masked kernels' registers change, e.g. 72 -> 98: untimed)
+        # for the document tile and the products (the pipeliner issues ahead only the loads that feed tl.dot; loaded
+        # after them, 38% of the int8 streaming grid's stall samples waited on the scales, H200, Triton 3.6). Not for
+        # converted documents (slower) nor for the mask values (they raise the masked kernels' registers)
         sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
     s = _similarity_tile(q_tile, Q, q_row_off, row_ok, D, d_base + n * stride_dl, in_range, d_cols0,
                          stride_qd, stride_dd, d, BLOCK_D, D_CHUNKS, UPCAST, PRECISION, QUANTIZE_Q, PARTIAL, EVEN_D,
@@ -212,8 +222,8 @@ def _tile_similarities(
         if not QUANTIZE_Q:
             sc = _token_values(SCALES, m_base, n, stride_dml, in_range, PARTIAL, sc_loaded, PRELOADED)
         # bf16 (the index's) or fp32 scales, exactly fp32 either way; converted here, after the products, not at
-        # the load: an instruction there would wait for the load's data before the products are issued (device
-        # call 1 of session 27: int8 1x10k 32x300 1.031x, fp8 1.110x the fp32 scales' time)
+        # the load: an instruction there would wait for the load's data before the products are issued (fp8 1x10k
+        # 32x300: 11% slower so, H200, Triton 3.6)
         sc = _scales_as_fp32(sc)
         if BITCAST_SUMS:
             # 2^100: a power of two, so the boost is exact; taken on the scales (one per token), not per similarity
@@ -285,7 +295,7 @@ def _column_chains(s, BLOCK_N: tl.constexpr, PROPAGATE_NAN: tl.constexpr):
     g = 0, 1, ... folded one after another: one chain per row and column pair of a thread under every Triton.
     ``tl.max`` / ``tl.reduce`` reduce within a thread as a chain under Triton 3.6-3.7 and as a balanced tree from
     3.8: the one difference found between the int8 compute-bound kernel's loops under 3.6 and 3.8+ (same
-    instructions, other order), which run 5.5% apart (session 42, docs/perf-notes.md). The reshapes and splits move
+    instructions, other order), which run 5.5% apart (H100). The reshapes and splits move
     no data where a warp holds whole rows of the tile (the tensor cores' accumulator layouts of 64 rows and more);
     callers take it for tiles of 64 rows and more and 32 to 128 columns only."""
     G: tl.constexpr = BLOCK_N // 8
@@ -354,11 +364,10 @@ def _fold_row_partials(m, s, BLOCK_N: tl.constexpr, ROW_PARTIALS: tl.constexpr, 
     partial w is the max over the columns j = ROW_PARTIALS * g + w of the tiles folded so far. With 8, a thread of
     the tensor cores' accumulator layout holds two adjacent columns of every 8, so where a warp holds whole rows of
     the tile (wgmma) a tile folds in with no shuffle, and ``_rows_max`` takes the max across a row's threads once per
-    document instead of once per tile (session 18: offline sm_90, 8 shuffles and 4 maxima fewer per 128 x 128
-    tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
+    document instead of once per tile (sm_90: 8 shuffles and 4 maxima fewer per 128 x 128 tile). Where warps split the columns (32-row mma.sync tiles on several warps) the max over g crosses warps,
     through shared memory: slower, not used there. With 4, partial w is over the column pairs 8g + 2w + {0, 1}: one
     partial per thread of a quad, so no more registers than one max per row (the 8 partials spill at the int8
-    compute-bound grid's register cap); an option (session 20: 0.996 of the default's time, not adopted).
+    compute-bound grid's register cap); an option (no faster than 8).
     ``CHAINED_MAX`` (8 partials, 64 rows and more, 32 to 128 columns): the tile's partials folded in a fixed chain
     (``_column_chains``)."""
     if ROW_PARTIALS == 8 and CHAINED_MAX and s.shape[0] >= 64 and BLOCK_N >= 32 and BLOCK_N <= 128:
@@ -404,7 +413,7 @@ def _fold_arg_partials(m, arg, s, n0, BLOCK_N: tl.constexpr):
     partial w holds the max over the columns j = 8g + w of the tiles folded so far and the first token holding it.
     The tile's columns are folded group by group (g = 0, 1, ...: increasing tokens), each a compare, a max and a
     select per similarity, with no reduction and no shuffle per tile (the tile max, its compare and the index
-    min-reduction they replace: session 22); ``_rows_max_arg`` joins the partials once per document. Within a thread
+    min-reduction they replace); ``_rows_max_arg`` joins the partials once per document. Within a thread
     of the tensor cores' accumulator layout the groups of its columns are registers (as for ``_fold_row_partials``),
     so the permute and splits below move no data. ``BLOCK_N`` of 16, 32 or 64 tokens."""
     G: tl.constexpr = BLOCK_N // 8
@@ -752,15 +761,7 @@ def maxsim_fwd_kernel(
         row_ok = row_ok & (qm != 0)
     q_row_off = qidx * stride_qn + tok * stride_ql
 
-    if RAGGED:
-        start = tl.load(OFFSETS + t).to(tl.int64)
-        dlen = tl.load(OFFSETS + t + 1).to(tl.int64) - start
-        d_base = start * stride_dl
-        m_base = start * stride_dml
-    else:
-        dlen = Ld
-        d_base = t * stride_dt
-        m_base = t * stride_dmt
+    d_base, m_base, dlen = _doc_location(OFFSETS, t, stride_dt, stride_dl, stride_dmt, stride_dml, Ld, RAGGED)
 
     d_cols0 = tl.arange(0, BLOCK_D)
     q_tile = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)

@@ -112,8 +112,8 @@ def maxsim_fwd_token_rows_kernel(
     UPCAST: tl.constexpr, EVEN_D: tl.constexpr, STRADDLE: tl.constexpr, TMA_DOCS: tl.constexpr,
 ):
     """``maxsim_fwd_kernel``'s arguments (the launch plan's, most unused here: one block of query rows, no split,
-    the hard max over runs of documents with 8-bit products); program ``t`` scores documents ``t *
-    docs_per_program + [0, n_here)``."""
+    the hard max over runs of documents with 8-bit products; spelled out again, as Triton binds a kernel's arguments
+    by its own signature); program ``t`` scores documents ``t * docs_per_program + [0, n_here)``."""
     BLOCK_M: tl.constexpr = QPB * TOKB
     t = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)

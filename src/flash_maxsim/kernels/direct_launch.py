@@ -1,10 +1,9 @@
-"""Kernel launches without Triton's per-call argument binding.
+"""Kernel launches that call Triton's C launcher directly, reusing the compiled kernel of each specialisation.
 
 ``kernel[grid](*args, **meta)`` binds and specialises every argument in Python on each call: with the ~50
-arguments of these kernels that is ~45 us of host time per launch on the H200 machine (measured, see
-docs/perf-notes.md, run 6), more than the GPU time of a small scoring call. The first launch of a given
-specialisation goes through Triton as usual and returns the compiled kernel; later launches with the same key
-call that compiled kernel directly.
+arguments of these kernels that is ~45 us of host time per launch (H200, Triton 3.6), more than the GPU time of a
+small scoring call. The first launch of a given specialisation goes through Triton as usual and returns the
+compiled kernel; later launches with the same key call that compiled kernel directly.
 
 The key holds everything Triton specialises on: every integer and float argument, the constexpr values, and
 each tensor's dtype and 16-byte alignment, plus the current device. Anything unexpected (another Triton version
@@ -13,10 +12,9 @@ whose compiled kernels cannot be called this way, the CPU interpreter) falls bac
 Two direct paths, the first one that fits the compiled kernel:
 - ``_CLauncherCall``: Triton's C launcher itself, with the tensors' addresses as integers and each tensor
   descriptor encoded once per address (the launcher layouts of Triton 3.6 and of 3.7-3.9, checked when the kernel
-  is first compiled). The compiled kernel's runner around it re-reads the device, stream and launch hooks, builds
-  launch metadata and calls the hooks: ~7 us of a ~30 us scoring call (session 14, `benchmarks/host_probe.py`);
-  with a tensor descriptor, ~20 us more (the descriptor made, and encoded for the kernel by Triton's launcher
-  wrapper).
+  is first compiled). The compiled kernel's runner around it would re-read the device, stream and launch hooks,
+  build launch metadata and call the hooks (~7 us of a small scoring call's host time, H200), and with a tensor
+  descriptor make it and encode it again at every launch.
 - ``_RunnerCall``: the compiled kernel's runner, ``compiled[grid](*args)`` (any Triton whose runner takes every
   argument in order).
 
@@ -288,7 +286,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
 
 def compiled_kernels(kernel):
     """Every ``CompiledKernel`` Triton holds for ``kernel`` (a ``JITFunction``), on every device, compiled so far:
-    for reports and probes that read their code, registers or metadata. Triton keeps them in
+    for tools that read their code, registers or metadata. Triton keeps them in
     ``kernel.device_caches[device][0]`` (3.2-3.9); anything else holds none."""
     for cache in getattr(kernel, "device_caches", {}).values():
         yield from cache[0].values()
