@@ -138,7 +138,7 @@ def check_packed(documents: Tensor, offsets: Optional[Tensor], max_length: int) 
     rows = documents.shape[0]
     if offsets.is_cuda and torch.cuda.is_current_stream_capturing() and known_longest(offsets, rows) is None:
         return
-    longest = offsets_longest(offsets, rows)
+    longest = offsets_longest(offsets, rows, "offsets", "documents")
     if max_length < longest:
         raise ValueError(f"`max_length` is {max_length} but the longest document (from `offsets`) has {longest} "
                          "tokens")
