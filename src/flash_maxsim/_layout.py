@@ -12,7 +12,7 @@ import torch
 
 # PackedDocuments and aux_dtype are re-exported: callers import them from here as well as from ._types
 from ._types import (SUPPORTED_DTYPES, PackedDocuments, QuantizedDocuments, aux_dtype,  # noqa: F401
-                     offsets_longest, remember_offsets)
+                     check_offsets_tensor, offsets_longest, remember_offsets)
 
 MASKED_MODES = ("exclude", "zero")
 SMOOTH_TAU_RANGE = (2.0 ** -100, 2.0 ** 100)
@@ -261,7 +261,7 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         if values.dim() != 2:
             raise ValueError(f"packed `documents.values` has shape [{_shape(values)}]; expected [sum Ld, d]")
         check_docs("documents.values", values)
-        _check_tensor("documents.offsets", offsets)
+        check_offsets_tensor(offsets)
         if offsets.device != device:
             raise ValueError(f"`documents.offsets` is on {offsets.device}; expected {device}")
         max_length = _packed_max_length(values, offsets, max_length)

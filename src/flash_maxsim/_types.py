@@ -23,7 +23,8 @@ from typing import IO, NamedTuple, Optional, Sequence, Union
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "PackedDocuments", "QuantizedDocuments", "Documents", "DocumentsMask", "aux_dtype",
-           "storage_dtype", "quantize_tokens", "eight_bit_products", "offsets_longest", "remember_offsets"]
+           "storage_dtype", "quantize_tokens", "eight_bit_products", "check_offsets_tensor", "offsets_longest",
+           "remember_offsets", "known_longest"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -103,6 +104,17 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def check_offsets_tensor(offsets, name: str = "documents.offsets") -> None:
+    """What packed offsets must be, short of their values: a dense 1-D integer tensor ``[T + 1]``."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.layout != torch.strided or offsets.is_nested:
+        raise TypeError(f"`{name}` is a {offsets.layout} tensor; expected a dense (strided) one")
+    if offsets.dim() != 1 or offsets.shape[0] < 1 or not _is_integer(offsets.dtype):
+        shape = "x".join(str(s) for s in offsets.shape)
+        raise ValueError(f"`{name}` has shape [{shape}], dtype {offsets.dtype}; expected an integer tensor [T + 1]")
+
+
 def offsets_longest(offsets, rows: int, name: str = "documents.offsets",
                     rows_name: str = "documents.values") -> int:
     """The longest document of packed ``offsets`` over ``rows`` rows of values, after checking them: a 1-D integer
@@ -112,13 +124,7 @@ def offsets_longest(offsets, rows: int, name: str = "documents.offsets",
     GPU one small device-to-host copy, which waits for the work queued before it. It happens once per offsets
     tensor: a tensor validated before (or made by :func:`flash_maxsim.pack`) and unchanged since is not read
     again. Inside a CUDA-graph capture nothing can be read, so offsets not validated before are an error there."""
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.dim() != 1 or offsets.shape[0] < 1 or not _is_integer(offsets.dtype):
-        shape = "x".join(str(s) for s in offsets.shape)
-        raise ValueError(f"`{name}` has shape [{shape}], dtype {offsets.dtype}; expected an integer tensor [T + 1]")
-    if offsets.layout != torch.strided:
-        raise TypeError(f"`{name}` is a {offsets.layout} tensor; expected a dense (strided) one")
+    check_offsets_tensor(offsets, name)
     tracing = torch.compiler.is_compiling()
     if not tracing:
         known = known_longest(offsets, rows)
