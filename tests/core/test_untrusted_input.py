@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flash_maxsim
-from flash_maxsim import PackedDocuments, QuantizedDocuments, _index_file, _types
+from flash_maxsim import PackedDocuments, QuantizedDocuments, _types
 from flash_maxsim.kernels import launch
 from flash_maxsim.ops import force_backend
 
@@ -263,14 +263,14 @@ def test_the_torch_save_format_still_loads_and_is_validated(tmp_path):
 def _craft_safetensors(tensors, fields) -> io.BytesIO:
     """A safetensors index with a checksum that matches whatever it holds: what a crafted file can do."""
     from safetensors.torch import save
-    fields = {"format": _index_file.FORMAT, "version": "1", **fields}
-    fields["sha256"] = _index_file.checksum(tensors, fields)
+    fields = {"format": _types.INDEX_FORMAT, "version": "1", **fields}
+    fields["sha256"] = _types.index_checksum(tensors, fields)
     return io.BytesIO(save(tensors, metadata=fields))
 
 
 def _craft_torch(tensors, fields) -> io.BytesIO:
     buffer = io.BytesIO()
-    state = {"format": _index_file.FORMAT, "version": 1, "offsets": None, "mask": None, **tensors}
+    state = {"format": _types.INDEX_FORMAT, "version": 1, "offsets": None, "mask": None, **tensors}
     for key, value in fields.items():
         state[key] = None if value == "" else int(value) if key in ("version", "max_length") else value
     torch.save(state, buffer)
