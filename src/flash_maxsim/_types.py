@@ -480,16 +480,16 @@ class QuantizedDocuments:
         back needs ``weights_only=False`` or ``torch.serialization.safe_globals([QuantizedDocuments])``.)"""
         max_length = _checked_index(self.values, self.scales, self.offsets, self.mask, self.max_length, self.kind,
                                     "QuantizedDocuments")
-        _write_index(f, {"kind": self.kind, "max_length": max_length, "values": self.values,
-                              "scales": self.scales, "offsets": self.offsets, "mask": self.mask})
+        _write_index(f, {"kind": self.kind, "max_length": max_length, "values": self.values, "scales": self.scales,
+                         "offsets": self.offsets, "mask": self.mask})
 
     @classmethod
     def load(cls, f: FileLike, map_location: Union[None, str, torch.device] = None) -> QuantizedDocuments:
-        """The index that :meth:`save` wrote to ``f`` (or that the ``torch.save`` format of earlier versions holds,
-        read with ``weights_only=True``), validated completely: its checksum, the kind, the dtypes and shapes of
-        its tensors against each other, finite scales, and the offsets (start at 0, never decrease, end at the
-        values' rows; ``max_length`` the longest document). Anything else is a ValueError. ``map_location`` as in
-        ``torch.load`` (e.g. ``"cpu"``)."""
+        """The index that :meth:`save` wrote to ``f`` (or an index in the ``torch.save`` format, a dict of tensors
+        and plain values, read with ``weights_only=True``), validated completely: its checksum, the kind, the
+        dtypes and shapes of its tensors against each other, finite scales, and the offsets (start at 0, never
+        decrease, end at the values' rows; ``max_length`` the longest document). Anything else is a ValueError.
+        ``map_location`` as in ``torch.load`` (e.g. ``"cpu"``)."""
         state = _read_index(f, map_location)
         if state["version"] != INDEX_VERSION:
             raise ValueError(f"`f` holds an index in save format version {state['version']}; this flash_maxsim "
