@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 import reprlib
 from dataclasses import dataclass
@@ -10,7 +11,8 @@ from typing import Optional, Sequence
 import torch
 
 # PackedDocuments and aux_dtype are re-exported: callers import them from here as well as from ._types
-from ._types import SUPPORTED_DTYPES, PackedDocuments, QuantizedDocuments, aux_dtype  # noqa: F401
+from ._types import (SUPPORTED_DTYPES, PackedDocuments, QuantizedDocuments, aux_dtype,  # noqa: F401
+                     check_offsets_tensor, offsets_longest, remember_offsets)
 
 MASKED_MODES = ("exclude", "zero")
 SMOOTH_TAU_RANGE = (2.0 ** -100, 2.0 ** 100)
@@ -18,12 +20,14 @@ SMOOTH_TAU_RANGE = (2.0 ** -100, 2.0 ** 100)
 
 def pack(documents: Sequence[torch.Tensor]) -> PackedDocuments:
     """Concatenate a list of ``[Ld_t, d]`` tensors (one dtype, device and ``d``) into :class:`PackedDocuments`
-    (differentiable)."""
+    (differentiable). Its offsets, built from the documents' shapes, need no validation when scored."""
     documents = list(documents)
     if not documents:
         raise ValueError("pack: `documents` is an empty list; expected at least one [Ld, d] tensor")
     _check_document_list(documents)
-    return _pack_checked(documents)
+    packed = _pack_checked(documents)
+    remember_offsets(packed.offsets, packed.values.shape[0], packed.max_length)
+    return packed
 
 
 def _check_document_list(documents: list) -> None:
@@ -140,8 +144,8 @@ def _is_packed(documents) -> bool:
 
 
 def _as_max_length(max_length) -> Optional[int]:
-    """PackedDocuments' ``max_length``: None or an int >= 0 (trusted, not checked against the offsets: that would
-    cost a device-to-host read, which ``max_length`` exists to save)."""
+    """PackedDocuments' ``max_length``: None or an int >= 0 (checked against the offsets by
+    :func:`_packed_max_length`)."""
     if max_length is None:
         return None
     try:
@@ -151,6 +155,23 @@ def _as_max_length(max_length) -> Optional[int]:
     if value < 0 or isinstance(max_length, bool):
         raise ValueError(f"`documents.max_length` must be an int >= 0 or None, got {max_length!r}")
     return value
+
+
+def _packed_max_length(values: torch.Tensor, offsets: torch.Tensor, max_length: Optional[int]) -> int:
+    """The ``max_length`` the kernels get for packed documents: the longest document, from the validated offsets
+    (:func:`flash_maxsim._types.offsets_longest`: once per offsets tensor, one host read); a given ``max_length``
+    below it is an error (the kernels size their grids and saved indices by it). Under torch.compile tracing,
+    which cannot read the offsets, a given ``max_length`` is used and the op checks it when it runs
+    (:func:`flash_maxsim.ops.check_packed`); without one the offsets are read (a graph break)."""
+    if values.device.type == "meta":            # no data: shapes only
+        return 0 if max_length is None else max_length
+    if max_length is not None and torch.compiler.is_compiling():
+        return max_length
+    longest = offsets_longest(offsets, values.shape[0])
+    if max_length is not None and max_length < longest:
+        raise ValueError(f"`documents.max_length` is {max_length} but the longest document (from "
+                         f"`documents.offsets`) has {longest} tokens; pass the longest length, or None")
+    return longest
 
 
 def _flat_document_mask(documents_mask, lengths: list, device) -> torch.Tensor:
@@ -186,11 +207,14 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
     if masked not in MASKED_MODES:
         raise ValueError(f"`masked` must be 'exclude' or 'zero', got {masked!r}")
     if smooth_tau is not None:
-        if isinstance(smooth_tau, bool) or not isinstance(smooth_tau, (int, float)):
+        # any real number: Python's, NumPy's (np.float32 as np.float64) or a Fraction; not a bool
+        if isinstance(smooth_tau, bool) or not isinstance(smooth_tau, numbers.Real):
             raise TypeError(f"`smooth_tau` must be a float > 0 or None, got {type(smooth_tau).__name__}")
-        if not smooth_tau > 0:
+        # compared as a Python number: an int of any size, a float otherwise (no NumPy casts of the bounds)
+        tau = int(smooth_tau) if isinstance(smooth_tau, numbers.Integral) else float(smooth_tau)
+        if not tau > 0:
             raise ValueError(f"`smooth_tau` must be > 0, got {smooth_tau}")
-        if not SMOOTH_TAU_RANGE[0] <= smooth_tau <= SMOOTH_TAU_RANGE[1]:
+        if not SMOOTH_TAU_RANGE[0] <= tau <= SMOOTH_TAU_RANGE[1]:
             # the kernels scale similarities by log2(e) / tau in fp32, which must be finite and nonzero; below the
             # range the smooth max equals the hard max to within tau * log(Ld) anyway
             raise ValueError(f"`smooth_tau` must lie in [2**-100, 2**100], got {reprlib.repr(smooth_tau)}")
@@ -237,24 +261,11 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         if values.dim() != 2:
             raise ValueError(f"packed `documents.values` has shape [{_shape(values)}]; expected [sum Ld, d]")
         check_docs("documents.values", values)
-        if offsets.dim() != 1 or offsets.shape[0] < 1 or offsets.dtype.is_floating_point:
-            raise ValueError(f"`documents.offsets` has shape [{_shape(offsets)}], dtype {offsets.dtype}; "
-                             "expected an integer tensor [T + 1]")
-        _check_strided("documents.offsets", offsets)
+        check_offsets_tensor(offsets)
         if offsets.device != device:
             raise ValueError(f"`documents.offsets` is on {offsets.device}; expected {device}")
+        max_length = _packed_max_length(values, offsets, max_length)
         offsets = offsets.to(torch.int64).contiguous()
-        if max_length is None:
-            # one host read validates the offsets and finds the longest document; `pack` supplies max_length
-            lengths = offsets[1:] - offsets[:-1]
-            first, last, shortest, longest = torch.stack([
-                offsets[0], offsets[-1],
-                lengths.min() if lengths.numel() else offsets[0] * 0,
-                lengths.max() if lengths.numel() else offsets[0] * 0]).tolist()
-            if first != 0 or last != values.shape[0] or shortest < 0:
-                raise ValueError(f"`documents.offsets` must start at 0, never decrease and end at "
-                                 f"values.shape[0]={values.shape[0]}; got first={first}, last={last}")
-            max_length = longest
         docs = values
         if documents_mask is None or isinstance(documents_mask, torch.Tensor):
             dmask = _as_mask("documents_mask", documents_mask, (values.shape[0],), device)
@@ -308,6 +319,9 @@ def canonicalize(queries, documents, queries_mask=None, documents_mask=None, *, 
         if tuple(scales.shape) != want or scales.device != device:
             raise ValueError(f"quantized documents' `scales` has shape [{_shape(scales)}] on {scales.device}; "
                              f"expected [{', '.join(map(str, want))}] on {device}")
+        if not scales.dtype.is_floating_point:
+            raise TypeError(f"quantized documents' `scales` has dtype {scales.dtype}; expected a real floating-point "
+                            "dtype (bfloat16 or float32)")
         if scales.dtype not in (torch.float32, torch.bfloat16):
             # the kernels read bf16 (quantize's) or fp32 scales as they are
             scales = scales.to(torch.float32)

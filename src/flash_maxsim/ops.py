@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _cpu
 from ._layout import Problem, num_columns
-from ._types import aux_dtype
+from ._types import aux_dtype, known_longest, offsets_longest
 from .quantization import dequantized_queries, eight_bit_products_in_use
 
 _LIB = "flash_maxsim"
@@ -104,6 +104,9 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     D = scale * values."""
     Nq, Lq, _ = queries.shape
     C = num_columns(documents, offsets, candidates)
+    if queries.device.type == "meta":                         # shapes only, as the fake implementation gives them
+        return (queries.new_empty((Nq, C), dtype=torch.float32),
+                queries.new_empty((Nq, C, Lq), dtype=aux_dtype(smooth_tau, max_length)) if save_aux else None)
     if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
         fill = float("inf") if smooth_tau is not None else -1
         return (queries.new_zeros((Nq, C), dtype=torch.float32),
@@ -124,12 +127,30 @@ def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_
     return scores, (aux if save_aux else None)
 
 
+def check_packed(documents: Tensor, offsets: Optional[Tensor], max_length: int) -> None:
+    """Packed offsets as the ops get them from a torch.compile graph, whose tracing could not read them: validated
+    (once per tensor: :func:`flash_maxsim._types.offsets_longest`) and ``max_length`` at least the longest
+    document. Eager calls validated them before (:func:`flash_maxsim.maxsim`), so this finds them known. Inside a
+    CUDA-graph capture, where nothing can be read, offsets not yet known pass: the runs before the capture (the
+    warm-up of torch.compile's CUDA graphs) checked what the graph holds, and replays run no Python at all."""
+    if offsets is None or documents.device.type == "meta":
+        return
+    rows = documents.shape[0]
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing() and known_longest(offsets, rows) is None:
+        return
+    longest = offsets_longest(offsets, rows, "offsets", "documents")
+    if max_length < longest:
+        raise ValueError(f"`max_length` is {max_length} but the longest document (from `offsets`) has {longest} "
+                         "tokens")
+
+
 @torch.library.custom_op(f"{_LIB}::maxsim_fwd", mutates_args=())
 def maxsim_fwd(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
                documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, candidates: int,
                zero_masked: bool, smooth_tau: Optional[float], save_aux: bool,
                document_scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``, or empty)."""
+    check_packed(documents, offsets, max_length)
     scores, aux = forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
                                zero_masked, smooth_tau, save_aux, document_scales)
     # an op returns tensors: an empty one when nothing was saved
@@ -151,7 +172,10 @@ def backward_impl(grad, queries, documents, queries_mask, documents_mask, offset
     """Gradients w.r.t. queries and documents (an empty tensor for one not asked for)."""
     grad_dtype = torch.float32 if fp32_grads else None
     Nq, Lq, _ = queries.shape
-    if Nq == 0 or num_columns(documents, offsets, candidates) == 0 or Lq == 0 or max_length == 0:
+    if queries.device.type == "meta":                         # shapes only, as the fake implementation gives them
+        dq = queries.new_empty(queries.shape, dtype=grad_dtype or queries.dtype)
+        dd = documents.new_empty(documents.shape, dtype=grad_dtype or documents.dtype)
+    elif Nq == 0 or num_columns(documents, offsets, candidates) == 0 or Lq == 0 or max_length == 0:
         dq = torch.zeros(queries.shape, dtype=grad_dtype or queries.dtype, device=queries.device)
         dd = torch.zeros(documents.shape, dtype=grad_dtype or documents.dtype, device=documents.device)
     elif _use_triton(queries):
@@ -175,6 +199,7 @@ def maxsim_bwd(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: O
                candidates: int, smooth_tau: Optional[float], need_queries_grad: bool,
                need_documents_grad: bool, fp32_grads: bool) -> tuple[Tensor, Tensor]:
     """Gradients w.r.t. queries and documents (an empty tensor for one not asked for)."""
+    check_packed(documents, offsets, max_length)
     return backward_impl(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux,
                          candidates, smooth_tau, need_queries_grad, need_documents_grad, fp32_grads)
 
@@ -199,7 +224,17 @@ def _setup_context(ctx, inputs, output):
     ctx.max_length, ctx.candidates, ctx.smooth_tau, ctx.save_aux = max_length, candidates, smooth_tau, save_aux
 
 
+def _first_order_only() -> None:
+    """The backward builds no graph of its own: with ``create_graph=True`` (grad mode on inside a backward) its
+    gradients would be constants to autograd, and a second derivative silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("flash_maxsim.maxsim is differentiable once: its gradients are not differentiable, so a "
+                           "backward with create_graph=True through it (a gradient penalty, a Hessian) is refused "
+                           "rather than giving a wrong second derivative (docs/semantics.md, Gradients)")
+
+
 def _backward(ctx, grad_scores, _grad_aux):
+    _first_order_only()
     queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_q or need_d) or grad_scores is None:
@@ -232,8 +267,8 @@ class _EagerMaxSim(torch.autograd.Function):
         return scores, aux
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # first order only: the saved aux is not differentiable, so a
-    def backward(ctx, grad_scores, _grad_aux):      # second derivative taken through this would be wrong; it raises
+    def backward(ctx, grad_scores, _grad_aux):
+        _first_order_only()
         queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_scores is None:

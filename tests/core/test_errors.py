@@ -1,5 +1,8 @@
 """Bad input raises ValueError/TypeError naming the argument; NaN propagates from valid places only."""
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 
@@ -102,8 +105,30 @@ BAD_INPUTS = [
      ValueError, "`documents.max_length`"),
     ("packed-max-length-str", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 7]), "7")),
      TypeError, "`documents.max_length`"),
+    # the kernels size their grids and saved arg-max indices by max_length: one below the longest document is refused
+    ("packed-max-length-understated", lambda: flash_maxsim.maxsim(
+        Q, PackedDocuments(VALUES, torch.tensor([0, 2, 7]), 4)), ValueError, "`documents.max_length`"),
+    ("packed-max-length-zero", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 7]), 0)),
+     ValueError, "`documents.max_length`"),
+    ("offsets-bool", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([False, True]))),
+     ValueError, "`documents.offsets`"),
+    ("offsets-past-values", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, 3, 200]), 5)),
+     ValueError, "`documents.offsets`"),
+    ("offsets-negative", lambda: flash_maxsim.maxsim(Q, PackedDocuments(VALUES, torch.tensor([0, -3, 7]), 7)),
+     ValueError, "`documents.offsets`"),
+    ("offsets-int64-overflow", lambda: flash_maxsim.maxsim(Q, PackedDocuments(
+        VALUES, torch.tensor([0, 2 ** 63 - 1, -2 ** 63, 7]), 7)), ValueError, "`documents.offsets`"),
+    ("tau-numpy-bool", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=np.bool_(True)), TypeError, "`smooth_tau`"),
+    ("tau-tensor", lambda: flash_maxsim.maxsim(Q, D, smooth_tau=torch.tensor(0.5)), TypeError, "`smooth_tau`"),
     ("quantized-scales-shape", lambda: flash_maxsim.maxsim(Q, flash_maxsim.QuantizedDocuments(
         flash_maxsim.quantize(D).values, flash_maxsim.quantize(D).scales.reshape(6, 5))), ValueError, "`scales`"),
+    ("quantized-scales-int", lambda: flash_maxsim.maxsim(Q, flash_maxsim.QuantizedDocuments(
+        flash_maxsim.quantize(D).values, torch.ones(5, 6, dtype=torch.int32))), TypeError, "`scales`"),
+    ("quantized-scales-complex", lambda: flash_maxsim.maxsim(Q, flash_maxsim.QuantizedDocuments(
+        flash_maxsim.quantize(D).values, torch.ones(5, 6, dtype=torch.complex64))), TypeError, "`scales`"),
+    ("quantized-offsets-past-values", lambda: flash_maxsim.maxsim(Q, flash_maxsim.QuantizedDocuments(
+        flash_maxsim.quantize(VALUES).values, flash_maxsim.quantize(VALUES).scales, torch.tensor([0, 3, 200]), None,
+        5)), ValueError, "`documents.offsets`"),
     ("sparse-queries", lambda: flash_maxsim.maxsim(Q.to_sparse(), D), TypeError, "`queries`"),
     ("sparse-documents", lambda: flash_maxsim.maxsim(Q, D.to_sparse()), TypeError, "`documents`"),
     ("sparse-mask", lambda: flash_maxsim.maxsim(Q, D, torch.ones(2, 3).to_sparse()), TypeError, "`queries_mask`"),
@@ -257,18 +282,91 @@ def test_smallest_smooth_tau_is_the_hard_max_without_overflow(backend):
             assert torch.equal(out.double(), hard), (sign, out, hard)
 
 
+SECOND_ORDER = "differentiable once"
+
+
 @pytest.mark.parametrize("loss", ["sum", "cross_entropy"])
 @pytest.mark.parametrize("smooth_tau", [None, 1.0])
-def test_second_derivative_raises_instead_of_a_wrong_number(smooth_tau, loss):
-    """The backward is first order only (docs/semantics.md, Gradients): differentiating the gradient raises,
-    whether the upstream gradient is a constant (sum) or itself depends on the scores (cross-entropy)."""
-    q = torch.randn(1, 2, 4, requires_grad=True)
-    d = torch.randn(3, 5, 4, requires_grad=True)
-    scores = flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau)
-    value = scores.sum() if loss == "sum" else torch.nn.functional.cross_entropy(scores, torch.tensor([1]))
-    grad_q, = torch.autograd.grad(value, q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
-        grad_q.sum().backward()
+@pytest.mark.parametrize("backend", _backends())
+def test_a_gradient_with_create_graph_raises_instead_of_a_wrong_second_derivative(backend, smooth_tau, loss):
+    """The backward is first order only (docs/semantics.md, Gradients): ``create_graph=True`` through the scores
+    raises, whether the upstream gradient is a constant (sum) or itself depends on the scores (cross-entropy)."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    q = torch.randn(1, 2, 4, device=device, requires_grad=True)
+    d = torch.randn(3, 5, 4, device=device, requires_grad=True)
+    with force_backend(backend):
+        scores = flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau)
+        value = scores.sum() if loss == "sum" else torch.nn.functional.cross_entropy(
+            scores, torch.tensor([1], device=device))
+        with pytest.raises(RuntimeError, match=SECOND_ORDER):
+            torch.autograd.grad(value, q, create_graph=True)
+        # first order after the refusal: as without it
+        scores = flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau)
+        grad_q, = torch.autograd.grad(scores.sum(), q)
+    assert not grad_q.requires_grad and grad_q.isfinite().all()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_a_gradient_penalty_raises(backend):
+    """``(s.sum() + g.pow(2).sum()).backward()`` with ``g`` from ``create_graph=True`` would drop the penalty's
+    term if ``g`` were a constant: the gradient call raises instead."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    q = torch.randn(2, 3, 8, device=device, requires_grad=True)
+    d = torch.randn(4, 5, 8, device=device, requires_grad=True)
+    with force_backend(backend):
+        s = flash_maxsim.maxsim(q, d)
+        with pytest.raises(RuntimeError, match=SECOND_ORDER):
+            g, = torch.autograd.grad(s.sum(), q, create_graph=True)
+            (s.sum() + g.pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_the_custom_ops_refuse_create_graph_too(backend):
+    """The registered op's autograd (what torch.compile traces) refuses ``create_graph=True`` as the eager path
+    does."""
+    from flash_maxsim import _layout
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    q = torch.randn(2, 3, 8, device=device, requires_grad=True)
+    d = torch.randn(4, 5, 8, device=device, requires_grad=True)
+    p = _layout.canonicalize(q, d)
+    with force_backend(backend):
+        scores, _ = torch.ops.flash_maxsim.maxsim_fwd(q, d, None, None, None, p.max_length, 0, False, None, True)
+        with pytest.raises(RuntimeError, match=SECOND_ORDER):
+            torch.autograd.grad(scores.sum(), d, create_graph=True)
+        scores, _ = torch.ops.flash_maxsim.maxsim_fwd(q, d, None, None, None, p.max_length, 0, False, None, True)
+        grad_d, = torch.autograd.grad(scores.sum(), d)
+        expected, = torch.autograd.grad(flash_maxsim.maxsim(q, d).sum(), d)
+    torch.testing.assert_close(grad_d, expected)
+
+
+@pytest.mark.parametrize("tau", [np.float32(0.5), np.float16(0.5), np.float64(0.5), fractions.Fraction(1, 2), 0.5],
+                         ids=["np.float32", "np.float16", "np.float64", "Fraction", "float"])
+def test_smooth_tau_is_any_real_number(tau):
+    with force_backend("torch"):
+        got = flash_maxsim.maxsim(Q, D, smooth_tau=tau)
+        assert torch.equal(got, flash_maxsim.maxsim(Q, D, smooth_tau=0.5))
+
+
+@pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
+@pytest.mark.parametrize("smooth_tau", [None, 0.5])
+def test_meta_tensors_give_the_shapes(layout, smooth_tau):
+    """Queries and documents both on ``meta``: scores and gradients of the right shapes and dtypes, as PyTorch's
+    own ops propagate them."""
+    q = torch.randn(2, 3, 4, device="meta", requires_grad=True)
+    if layout == "padded":
+        documents = leaf = torch.randn(5, 6, 4, device="meta", requires_grad=True)
+        shape = (2, 5)
+    elif layout == "candidates":
+        documents = leaf = torch.randn(2, 3, 6, 4, device="meta", requires_grad=True)
+        shape = (2, 3)
+    else:
+        leaf = torch.randn(7, 4, device="meta", requires_grad=True)
+        documents = PackedDocuments(leaf, torch.zeros(4, dtype=torch.int64, device="meta"))
+        shape = (2, 3)
+    scores = flash_maxsim.maxsim(q, documents, smooth_tau=smooth_tau)
+    assert scores.device.type == "meta" and scores.shape == shape and scores.dtype == torch.float32
+    grad_q, grad_d = torch.autograd.grad(scores.sum(), (q, leaf))
+    assert grad_q.shape == q.shape and grad_d.shape == leaf.shape and grad_d.device.type == "meta"
 
 
 def test_the_other_flash_maxsim_projects_names_say_which_package_this_is():

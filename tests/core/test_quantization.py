@@ -335,8 +335,8 @@ def test_index_object_bytes_device_and_save_load():
 @pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
 def test_index_save_load_round_trip_under_weights_only(kind, layout, tmp_path, seed):
     """``index.save(path)`` / ``QuantizedDocuments.load(path)``: every field back as it was (mask, offsets and
-    max_length included), through ``torch.load``'s default ``weights_only=True``, and the loaded index scores as
-    the saved one."""
+    max_length included), and the loaded index scores as the saved one; files in the ``torch.save`` format that
+    are not such an index, or of a newer version, are refused."""
     if kind == "fp8" and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("this PyTorch has no float8_e4m3fn")
     g = torch.Generator().manual_seed(seed)
