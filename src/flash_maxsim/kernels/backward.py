@@ -319,10 +319,13 @@ def maxsim_bwd_dd_binned_kernel(
             ok = k0 + ks < count
             ek = tl.load(BINNED + t * E_POW2 + start + k0 + ks, mask=ok, other=0).to(tl.int32)
             qk, ik = _entry_row(ek, q_of_doc, Lq, PAIRED)
+            # int64: row offsets into a queries view sliced from a tensor of over 2^31 elements pass int32
+            qk, ik = qk.to(tl.int64), ik.to(tl.int64)
             # past the block's entries: token -1, which matches no row of the block
             jk = tl.load(AUX + qk * stride_an + col * stride_ac + ik * stride_al, mask=ok, other=-1).to(tl.int32)
             g = tl.load(G + qk * stride_gn + col * stride_gc, mask=ok, other=0.0).to(tl.float32)
-            q_rows = tl.load(Q + qk[:, None] * stride_qn + ik[:, None] * stride_ql + cols[None, :] * stride_qd,
+            q_rows = tl.load(Q + qk[:, None] * stride_qn + ik[:, None] * stride_ql
+                             + cols[None, :].to(tl.int64) * stride_qd,
                              mask=ok[:, None] & col_ok[None, :], other=0.0)
             pt = tl.where((jk - lo)[None, :] == local[:, None], g[None, :], 0.0)
             acc = _accumulate_weighted_rows(acc, pt, q_rows, UPCAST, PRECISION, G_SPLIT)

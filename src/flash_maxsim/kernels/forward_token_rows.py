@@ -117,8 +117,9 @@ def maxsim_fwd_token_rows_kernel(
     BLOCK_M: tl.constexpr = QPB * TOKB
     t = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
-    qidx = rows // TOKB
-    tok = rows % TOKB
+    # int64: a queries view sliced from a tensor of over 2^31 elements has offsets past int32
+    qidx = (rows // TOKB).to(tl.int64)
+    tok = (rows % TOKB).to(tl.int64)
     row_ok = (qidx < Nq) & (tok < Lq)
     if HAS_QMASK:
         qm = tl.load(QMASK + qidx * stride_qmn + tok * stride_qml, mask=row_ok, other=0)
