@@ -78,15 +78,15 @@ def queries_as_scored(queries: torch.Tensor, index: QuantizedDocuments) -> torch
     return queries
 
 
-_LAUNCH_MODULE = __package__ + ".kernels.launch"
+_TUNING_MODULE = __package__ + ".kernels.tuning"
 
 
 def eight_bit_products_in_use(documents: torch.Tensor, document_scales: Optional[torch.Tensor], d: int,
                               save_aux: bool) -> Optional[str]:
     """:func:`flash_maxsim._types.eight_bit_products` as the kernels apply it: through their tuning switch
-    (``kernels.launch.eight_bit_products``) once they are loaded, so that the CPU path scores what the kernels
+    (``kernels.tuning.eight_bit_products``) once they are loaded, so that the CPU path scores what the kernels
     would; without loading them (and Triton) when they are not."""
-    launch = sys.modules.get(_LAUNCH_MODULE)
-    if launch is not None:
-        return launch.eight_bit_products(documents, document_scales, d, save_aux)
+    tuning = sys.modules.get(_TUNING_MODULE)
+    if tuning is not None:
+        return tuning.eight_bit_products(documents, document_scales, d, save_aux)
     return eight_bit_products(documents, document_scales, d, save_aux)

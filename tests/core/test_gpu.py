@@ -96,7 +96,7 @@ def test_bitwise_deterministic(layout, smooth_tau, seed):
 
 @pytest.mark.parametrize("misaligned", ["queries", "documents", "mask"])
 def test_cached_launches_follow_data_and_alignment(misaligned, seed, monkeypatch):
-    """Launches after the first of a specialisation skip Triton's argument binding (kernels/_launcher.py): the
+    """Launches after the first of a specialisation skip Triton's argument binding (kernels/direct_launch.py): the
     same shapes with new values, and then with tensors whose storage starts 2 bytes past a 16-byte boundary (a
     different Triton specialisation), must give bit for bit what Triton's own launch path gives on the same
     tensors (the kernels are deterministic), and scores matching the reference. (Gradients against float64 are
@@ -251,7 +251,7 @@ def test_training_forward_arg_max_pairs_match_one_max_per_row(Nq, B, Ld, ties, s
 @pytest.mark.parametrize("d, Nq, Ld", [(96, 1, 130), (128, 4, 128)], ids=["d96-straddling", "d128-whole-tiles"])
 def test_cached_tma_descriptors_follow_the_documents(d, Nq, Ld, seed, monkeypatch):
     """Runs of documents copied by TMA: the direct launch encodes the documents' descriptor once per address
-    (kernels/_launcher.py). Scores must follow the documents' values and address: the same index again, its values
+    (kernels/direct_launch.py). Scores must follow the documents' values and address: the same index again, its values
     changed in place, another index of the same shape, and a new one allocated where a freed one was, each
     bit for bit what Triton's own launch path gives (its descriptor made afresh) and close to the reference."""
     from flash_maxsim.kernels import direct_launch, launch, tuning

@@ -88,7 +88,7 @@ def test_nan_policy():
 
 
 def _row_partial_cases():
-    """(name, builder of (scores function, float64 reference), FORWARD_OVERRIDES): every loop that can keep
+    """(name, builder of (scores function, float64 reference), tuning.FORWARD_OVERRIDES fields): every loop that can keep
     partial row maxima, at interpreter size."""
     def padded(masked):
         def build(g):
@@ -175,7 +175,7 @@ def test_partial_row_maxima_score_bit_for_bit_like_one_max_per_row(name, build, 
 
 
 def _narrow_tail_cases():
-    """(name, builder of (scores function, float64 reference) with the reference's gradients, FORWARD_OVERRIDES):
+    """(name, builder of (scores function, float64 reference) with the reference's gradients, tuning.FORWARD_OVERRIDES fields):
     documents whose last tile is partial (100 tokens: 64 + 36), in the loop that peels it."""
     def padded(masked, smooth_tau=None, train=False):
         def build(g):

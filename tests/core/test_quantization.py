@@ -491,7 +491,7 @@ def test_tma_copies_fall_back_to_per_thread_copies_for_a_misaligned_index(monkey
 
 
 def _scores_with(monkeypatch, q, index, qm=None, masked="exclude", **knobs):
-    """Scores through the kernels with these FORWARD_OVERRIDES knobs (and only these), and the one plan used."""
+    """Scores through the kernels with these tuning.FORWARD_OVERRIDES fields (and only these), and the one plan used."""
     from flash_maxsim.kernels import launch, tuning
     monkeypatch.setattr(tuning, "FORWARD_OVERRIDES", tuning.Overrides.forward(dict(knobs)))
     monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
@@ -643,7 +643,7 @@ def test_bitcast_sums_on_the_compute_bound_grid(length, masked, monkeypatch, see
                     reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("length", [300, 1024], ids=["straddling", "whole-tiles"])
 def test_fp8_streaming_grid_at_its_real_size(length, monkeypatch, seed):
-    """One query against enough fp8 documents to pick the streaming grid (launch.forward_config: >= 2^19 streamed
+    """One query against enough fp8 documents to pick the streaming grid (tuning.forward_config: >= 2^19 streamed
     tokens), masked, with a document of no valid token: the tile kernel's one-warp programs with uncapped registers
     (the default where the token-rows kernel does not run) score the float64 MaxSim of the dequantised operands
     (within the fp8 accumulation's bound), as the grid of two-warp programs at 128 registers does."""
