@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from ._layout import aux_dtype
 
-# 16 MiB of fp32 similarities per block: within 5% of an L2-sized block's speed on one core and several times
-# faster on a loaded 2-core machine (fewer thread barriers; AMD EPYC, torch 2.13 with MKL)
-BLOCK_ELEMENTS = 1 << 22
+# 32 MiB of fp32 similarities per block: as fast on one core as 1 MiB blocks, and 1.3-2x faster than 4 MiB blocks
+# with two threads on a loaded two-core machine (a quarter of the thread barriers; AMD EPYC, torch 2.13 + MKL)
+BLOCK_ELEMENTS = 1 << 23
 
 _NEG_INF = float("-inf")
 
@@ -110,9 +110,16 @@ def _candidate_block(p, q0: int, q1: int, k0: int, k1: int) -> _DocumentBlock:
 
 # --- the block plan --------------------------------------------------------------------------------------------
 
+def _even(n: int, step: int) -> int:
+    """A step of at most ``step`` that cuts ``n`` into as few and as equal parts as ``step`` does (the scratch is
+    sized by the largest part)."""
+    parts = -(-n // max(step, 1))
+    return max(1, -(-n // max(parts, 1)))
+
+
 def _token_chunks(Lq: int, rows_cap: int):
     """Query-token ranges: the whole query when it fits a block's rows, else chunks of it."""
-    step = Lq if Lq <= rows_cap else rows_cap
+    step = Lq if Lq <= rows_cap else _even(Lq, rows_cap)
     return [(i0, min(Lq, i0 + step)) for i0 in range(0, Lq, step)]
 
 
@@ -122,12 +129,13 @@ def _in_batch_plan(p, budget: int):
     Nq, Lq, d = p.queries.shape
     L = max(p.max_length, 1)
     rows_cap = max(1, budget // L)
-    qc = max(1, min(Nq, rows_cap // Lq)) if Lq <= rows_cap else 1
+    qc = _even(Nq, rows_cap // Lq) if Lq <= rows_cap else 1
     chunks = _token_chunks(Lq, rows_cap)
     R = qc * (chunks[0][1] - chunks[0][0])
-    g = max(1, budget // (L * R))
+    g = budget // (L * R)
     if _needs_copy(p):
-        g = min(g, max(1, budget // (L * d)))
+        g = min(g, budget // (L * d))
+    g = _even(p.num_columns, g)
     query_blocks = [(q0, min(Nq, q0 + qc), i0, i1) for q0 in range(0, Nq, qc) for i0, i1 in chunks]
     return g, query_blocks
 
@@ -141,8 +149,8 @@ def _candidate_plan(p, budget: int):
     chunks = _token_chunks(Lq, rows_cap)
     R = chunks[0][1] - chunks[0][0]
     per_doc = L * max(R, d if _needs_copy(p) else 1)
-    kc = max(1, min(K, budget // per_doc))
-    qc = max(1, min(Nq, budget // (per_doc * K))) if kc == K else 1
+    kc = _even(K, budget // per_doc)
+    qc = _even(Nq, budget // (per_doc * K)) if kc == K else 1
     return [(q0, min(Nq, q0 + qc), k0, min(K, k0 + kc), i0, i1)
             for q0 in range(0, Nq, qc) for k0 in range(0, K, kc) for i0, i1 in chunks]
 
@@ -328,8 +336,8 @@ def _hard_backward(grad, p, aux, need_dq, need_dd, dq, dd):
     per_doc = max(Lq, L * d)
     if p.candidates:
         K = p.candidates
-        kc = max(1, min(K, budget // per_doc))
-        qc = max(1, min(Nq, budget // (per_doc * K))) if kc == K else 1
+        kc = _even(K, budget // per_doc)
+        qc = _even(Nq, budget // (per_doc * K)) if kc == K else 1
         for q0 in range(0, Nq, qc):
             q1 = min(Nq, q0 + qc)
             for k0 in range(0, K, kc):
@@ -343,8 +351,8 @@ def _hard_backward(grad, p, aux, need_dq, need_dd, dq, dd):
                 if need_dd:
                     dd.unflatten(0, (-1, K))[q0:q1, k0:k1] += gd.view(q1 - q0, k1 - k0, blk.L, d)
         return
-    g = max(1, min(C, budget // per_doc))
-    qc = max(1, min(Nq, budget // (g * Lq)))
+    g = _even(C, budget // per_doc)
+    qc = _even(Nq, budget // (g * Lq))
     for t0 in range(0, C, g):
         t1 = min(C, t0 + g)
         if p.offsets is not None:
