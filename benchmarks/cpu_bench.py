@@ -113,7 +113,7 @@ def _training_step(score_fn, q: torch.Tensor, d: torch.Tensor) -> Callable[[], t
         qq, dd = q.detach().requires_grad_(), d.detach().requires_grad_()
         loss = torch.nn.functional.cross_entropy(score_fn(qq, dd), labels)
         loss.backward()
-        return torch.cat([qq.grad.reshape(-1), dd.grad.reshape(-1), loss.detach().reshape(1)])
+        return loss.detach(), qq.grad, dd.grad
     return step
 
 
@@ -180,11 +180,14 @@ def interleaved_medians(fns: Dict[str, Callable], rounds: int) -> Dict[str, floa
 def measure_row(row: Row, rounds: int, peers: bool = True, memory: bool = True) -> dict:
     q, d = inputs(row)
     fns = implementations(row, q, d, peers)
-    expected = fns["eager"]().float()
+    def outputs(fn):                                     # scores, or a step's loss and gradients
+        out = fn()
+        return [x.float() for x in (out if isinstance(out, tuple) else (out,))]
+    expected = outputs(fns["eager"])
     max_abs_diff = {}
     for name, fn in fns.items():                         # also the warm-up
-        got = fn().float()
-        max_abs_diff[name] = float((got.reshape(expected.shape) - expected).abs().max())
+        got = outputs(fn)
+        max_abs_diff[name] = max(float((a.reshape(b.shape) - b).abs().max()) for a, b in zip(got, expected))
     ms = interleaved_medians(fns, rounds)
     peak = {}
     if memory:
