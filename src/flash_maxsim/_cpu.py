@@ -20,12 +20,13 @@ fixed order). The smooth max's backward recomputes each block's weights and mult
 and the queries.
 
 Memory bound. Beyond the inputs, the outputs, the saved auxiliary tensor (``Nq x C x Lq``) and, in the backward,
-fp32 gradients shaped like the inputs, the temporaries are one similarity block of at most ``BLOCK_ELEMENTS``
-fp32 values, a padded copy of it for ragged documents, a block of documents converted to fp32 (fp16/bf16,
-quantised or non-contiguous documents) of at most ``BLOCK_ELEMENTS`` values, and per-block vectors of
-``documents x query rows``: below 4 x ``BLOCK_ELEMENTS`` x 4 bytes (64 MiB) in all, whatever Nq, B, Lq, Ld are.
-The hard max's backward holds at most ``BLOCK_ELEMENTS / 4`` gathered entries (int64 index and fp32 weight) at
-once. A single document longer than ``BLOCK_ELEMENTS`` tokens is still processed whole (Ld values per query row).
+fp32 gradients shaped like the inputs, a call holds at most: one block of similarities (``BLOCK_ELEMENTS`` fp32
+values, 32 MiB), for ragged documents a padded copy of it, a block's documents as fp32 rows or their gradient
+(at most ``BLOCK_ELEMENTS`` values; none for contiguous fp32 documents while scoring), and index and mask vectors
+over a block's document tokens (at most two blocks' bytes): below 5 x 32 MiB whatever Nq, B, Lq, Ld are, and one
+block (at most the similarity tensor's size) when scoring padded fp32 documents. The hard max's backward holds,
+instead of similarities, at most ``BLOCK_ELEMENTS / 8`` gathered entries and as many document-row values. A single document longer than ``BLOCK_ELEMENTS`` tokens is still
+processed whole (``Ld`` values per query-token row).
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ def _token_chunks(Lq: int, rows_cap: int):
     return [(i0, min(Lq, i0 + step)) for i0 in range(0, Lq, step)]
 
 
-def _in_batch_plan(p, budget: int):
+def _in_batch_plan(p, budget: int, token_rows: bool):
     """Documents per block and query blocks ``(q0, q1, i0, i1)`` for the every-query-against-every-document
-    layout: as many query rows as fit (whole queries when a query fits), then as many documents as fit."""
+    layout: as many query rows as fit (whole queries when a query fits), then as many documents as fit.
+    ``token_rows``: the block also holds a d-wide row per document token (converted documents, a gradient)."""
     Nq, Lq, d = p.queries.shape
     L = max(p.max_length, 1)
     rows_cap = max(1, budget // L)
@@ -133,14 +135,14 @@ def _in_batch_plan(p, budget: int):
     chunks = _token_chunks(Lq, rows_cap)
     R = qc * (chunks[0][1] - chunks[0][0])
     g = budget // (L * R)
-    if _needs_copy(p):
+    if token_rows:
         g = min(g, budget // (L * d))
     g = _even(p.num_columns, g)
     query_blocks = [(q0, min(Nq, q0 + qc), i0, i1) for q0 in range(0, Nq, qc) for i0, i1 in chunks]
     return g, query_blocks
 
 
-def _candidate_plan(p, budget: int):
+def _candidate_plan(p, budget: int, token_rows: bool):
     """``(q0, q1, k0, k1, i0, i1)`` blocks for the candidates layout: whole queries with all their candidates
     when they fit, else one query's candidates in ranges."""
     Nq, Lq, d = p.queries.shape
@@ -148,7 +150,7 @@ def _candidate_plan(p, budget: int):
     rows_cap = max(1, budget // L)
     chunks = _token_chunks(Lq, rows_cap)
     R = chunks[0][1] - chunks[0][0]
-    per_doc = L * max(R, d if _needs_copy(p) else 1)
+    per_doc = L * max(R, d if token_rows else 1)
     kc = _even(K, budget // per_doc)
     qc = _even(Nq, budget // (per_doc * K)) if kc == K else 1
     return [(q0, min(Nq, q0 + qc), k0, min(K, k0 + kc), i0, i1)
@@ -193,12 +195,13 @@ def _similarities(blk: _DocumentBlock, Qb: torch.Tensor, zero_masked: bool, buff
         S = torch.index_select(S, 0, blk.pad_index, out=buffers.get("padded", (blk.pad_index.shape[0], R)))
     S = S.view(blk.g, blk.L, R)
     if blk.valid is not None:
-        if zero_masked:
-            S.masked_fill_(~blk.valid[..., None], 0.0)
+        if not zero_masked:
+            S.masked_fill_(~blk.valid[..., None], _NEG_INF)
+        else:
+            if blk.valid is not blk.in_doc:           # masked tokens, not only a ragged document's padding
+                S.masked_fill_(~blk.valid[..., None], 0.0)
             if blk.in_doc is not None:
                 S.masked_fill_(~blk.in_doc[..., None], _NEG_INF)
-        else:
-            S.masked_fill_(~blk.valid[..., None], _NEG_INF)
     return S
 
 
@@ -249,7 +252,7 @@ def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
     buffers = _Buffers(device)
 
     if p.candidates:
-        for q0, q1, k0, k1, i0, i1 in _candidate_plan(p, BLOCK_ELEMENTS):
+        for q0, q1, k0, k1, i0, i1 in _candidate_plan(p, BLOCK_ELEMENTS, _needs_copy(p)):
             blk = _candidate_block(p, q0, q1, k0, k1)
             S = _similarities(blk, Q[q0:q1, i0:i1], zero_masked, buffers)       # [qc * kc, L, R]
             qvalid = None if qmask is None else qmask[q0:q1, None, i0:i1].expand(-1, k1 - k0, -1).reshape(blk.g, -1)
@@ -263,7 +266,7 @@ def forward(p, zero_masked: bool, smooth_tau, save_aux: bool):
                 aux[q0:q1, k0:k1, i0:i1] = blk_aux.view(q1 - q0, k1 - k0, i1 - i0)
         return scores, aux
 
-    g, query_blocks = _in_batch_plan(p, BLOCK_ELEMENTS)
+    g, query_blocks = _in_batch_plan(p, BLOCK_ELEMENTS, _needs_copy(p))
     for t0 in range(0, C, g):
         t1 = min(C, t0 + g)
         blk = _ragged_block(p, t0, t1) if p.offsets is not None else _padded_block(p, t0, t1)
@@ -330,14 +333,14 @@ def _hard_backward(grad, p, aux, need_dq, need_dd, dq, dd):
     L = max(p.max_length, 1)
     device = p.queries.device
     Q = _queries_fp32(p)
-    # per block: the gathered entries (qc x documents x Lq) and the documents' rows and gradient (documents x L x d)
-    # stay within a quarter of a similarity block each
-    budget = max(1, BLOCK_ELEMENTS // 4)
+    # per block: the gathered entries (qc x documents x Lq, below 64 bytes each with their indices) and the
+    # documents' rows and gradient (documents x L x d) stay within an eighth of a similarity block's count each
+    budget = max(1, BLOCK_ELEMENTS // 8)
     per_doc = max(Lq, L * d)
     if p.candidates:
         K = p.candidates
         kc = _even(K, budget // per_doc)
-        qc = _even(Nq, budget // (per_doc * K)) if kc == K else 1
+        qc = _even(Nq, min(budget // (per_doc * K), budget // (Lq * d))) if kc == K else 1
         for q0 in range(0, Nq, qc):
             q1 = min(Nq, q0 + qc)
             for k0 in range(0, K, kc):
@@ -352,7 +355,7 @@ def _hard_backward(grad, p, aux, need_dq, need_dd, dq, dd):
                     dd.unflatten(0, (-1, K))[q0:q1, k0:k1] += gd.view(q1 - q0, k1 - k0, blk.L, d)
         return
     g = _even(C, budget // per_doc)
-    qc = _even(Nq, budget // (g * Lq))
+    qc = _even(Nq, min(budget // (g * Lq), budget // (Lq * d)))
     for t0 in range(0, C, g):
         t1 = min(C, t0 + g)
         if p.offsets is not None:
@@ -395,14 +398,14 @@ def _smooth_backward(grad, p, aux, smooth_tau, need_dq, need_dd, dq, dd):
     buffers = _Buffers(p.queries.device)
 
     def zeroed(blk):
-        if blk.valid is None or blk.pad_index is not None and p.documents_mask is None:
+        if p.documents_mask is None:       # every row of a block is then a valid token
             return blk.rows
         valid_rows = blk.valid.reshape(-1) if blk.real is None else blk.valid.reshape(-1)[blk.real]
         return torch.where(valid_rows.view(*blk.rows.shape[:-1], 1), blk.rows, 0.0)
 
     if p.candidates:
         K = p.candidates
-        for q0, q1, k0, k1, i0, i1 in _candidate_plan(p, BLOCK_ELEMENTS):
+        for q0, q1, k0, k1, i0, i1 in _candidate_plan(p, BLOCK_ELEMENTS, True):
             qc, kc, Lr = q1 - q0, k1 - k0, i1 - i0
             blk = _candidate_block(p, q0, q1, k0, k1)
             S = _similarities(blk, Q[q0:q1, i0:i1], True, buffers)             # [qc * kc, L, Lr]
@@ -417,7 +420,7 @@ def _smooth_backward(grad, p, aux, smooth_tau, need_dq, need_dd, dq, dd):
                     torch.bmm(W, Q[q0:q1, i0:i1]).view(qc, kc, blk.L, d)
         return
     C = p.num_columns
-    g, query_blocks = _in_batch_plan(p, BLOCK_ELEMENTS)
+    g, query_blocks = _in_batch_plan(p, BLOCK_ELEMENTS, True)
     for t0 in range(0, C, g):
         t1 = min(C, t0 + g)
         blk = _ragged_block(p, t0, t1) if p.offsets is not None else _padded_block(p, t0, t1)
