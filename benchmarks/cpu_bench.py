@@ -16,9 +16,9 @@ Method: every implementation of a row runs once per round, the order rotated eac
 rounds is reported with its ratio to eager's median (a loaded machine slows all of them alike within a round).
 Peak memory is the resident-set high-water mark above the resident set before one call (Linux only: reset
 through /proc/self/clear_refs, with glibc told to return freed memory to the system). Threads: torch's intra-op
-threads as configured; the peers use all cores (rayon).
+threads as configured and the peers' rayon pool on all cores, or both set by ``--threads``.
 
-    python benchmarks/cpu_bench.py --out cpu.json [--rounds 9] [--rows 1x1k,train-B32]
+    python benchmarks/cpu_bench.py --out cpu.json [--rounds 9] [--rows 1x1k,train-B32] [--threads 1]
 
 Prints a markdown table. ``measure(rows, rounds)`` returns the same rows as dicts, for other scripts.
 """
@@ -142,13 +142,17 @@ def _rss_bytes(key: str) -> int:
 
 
 def _return_freed_memory_to_the_system() -> None:
-    """glibc keeps large freed blocks mapped once its mmap threshold has adapted upwards, which hides later
-    peaks from the resident set; a fixed threshold makes every large allocation a fresh mapping."""
+    """glibc keeps freed blocks resident (and, once its mmap threshold has adapted upwards, serves large ones from
+    them), which hides later peaks from the resident set: a fixed threshold makes every large allocation a fresh
+    mapping, and a trim hands back what is free now. Called before the memory pass only, so that the timed calls
+    run with the allocator's defaults."""
     try:
         import ctypes
         import ctypes.util
 
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 64 * 1024)                       # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -191,8 +195,8 @@ def measure_row(row: Row, rounds: int, peers: bool = True, memory: bool = True) 
     ms = interleaved_medians(fns, rounds)
     peak = {}
     if memory:
-        _return_freed_memory_to_the_system()
         for name, fn in fns.items():
+            _return_freed_memory_to_the_system()
             b = peak_extra_bytes(fn)
             peak[name] = None if b is None else round(b / 2 ** 20, 1)
     peer_ms = [v for k, v in ms.items() if k not in ("eager", "flash_maxsim")]
@@ -217,6 +221,7 @@ def machine() -> dict:
     except (OSError, AttributeError):
         pass
     info["peers"] = {dist: importlib.metadata.version(dist) for dist in installed_peers()}
+    info["peer_threads"] = os.environ.get("RAYON_NUM_THREADS", "all cores")
     return info
 
 
@@ -261,7 +266,12 @@ def main(argv=None) -> None:
     p.add_argument("--short", action="store_true", help="the short set: " + ", ".join(SHORT_ROWS))
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--threads", type=int, help="torch's intra-op threads and the peers' (RAYON_NUM_THREADS); "
+                   "default: both as configured (all cores)")
     args = p.parse_args(argv)
+    if args.threads:
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)     # read when a peer first starts its pool
+        torch.set_num_threads(args.threads)
     rows = SHORT_ROWS if args.short else (args.rows.split(",") if args.rows else None)
     info = machine()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
