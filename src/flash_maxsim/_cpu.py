@@ -7,12 +7,12 @@ and accumulate in fp32.
 How it runs. The similarities are computed a block at a time (a range of documents against a set of query-token
 rows) and reduced as soon as each block exists: masks, then the max or smooth max over each document's tokens.
 A block is one product laid out ``[document tokens, query-token rows]``: a tall matrix times the small transposed
-query matrix, the shape BLAS runs fastest, and the max over a document's tokens then runs along the block's middle
-axis, vectorised over the query rows. Only torch ops are used, so the path installs wherever torch does, and
-torch's intra-op threads share every product and reduction (all cores, one query or many). Blocks are large
-(``BLOCK_ELEMENTS``) because threads meet at a barrier after each op: on a loaded machine every barrier waits for
-a descheduled thread, and fewer, larger blocks keep that cost below eager einsum's, at a few percent of
-single-core speed.
+query matrix (faster in BLAS than the transposed product), and the max over a document's tokens then runs along
+the block's middle axis, vectorised over the query rows. Only torch ops are used, so the path installs wherever
+torch does, and torch's intra-op threads share every product and reduction (all cores, one query or many). Blocks
+are large (``BLOCK_ELEMENTS``) because threads meet at a barrier after each op: on a loaded machine every barrier
+waits for a descheduled thread, and fewer, larger blocks keep that cost low, for at most a tenth of one core's
+speed (many queries, whose blocks no longer stay in cache).
 
 The hard max's backward gathers instead of recomputing: each (query, document, query token) passes its gradient
 to one document token, the saved arg-max, so dQ and dD are weighted sums of rows (``embedding_bag``, summed in a
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from ._layout import aux_dtype
 
-# 32 MiB of fp32 similarities per block: as fast on one core as 1 MiB blocks, and 1.3-2x faster than 4 MiB blocks
-# with two threads on a loaded two-core machine (a quarter of the thread barriers; AMD EPYC, torch 2.13 + MKL)
+# 32 MiB of fp32 similarities per block: on one core as fast as L2-sized blocks; with two threads on a loaded
+# machine, fewer barriers: 1.3x faster than 16 MiB blocks (2-core AMD EPYC, torch 2.13 with MKL)
 BLOCK_ELEMENTS = 1 << 23
 
 _NEG_INF = float("-inf")
