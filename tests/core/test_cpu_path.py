@@ -119,3 +119,96 @@ def test_empty_batches_have_the_right_shape():
         assert flash_maxsim.maxsim(torch.randn(3, 4), d).shape == (5,)
         out = flash_maxsim.maxsim(torch.randn(2, 0, 4), d)           # Lq = 0: nothing to sum
         assert out.shape == (2, 5) and (out == 0).all()
+
+
+@pytest.mark.parametrize("budget", [16, 50, 300])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_of_every_size_match_reference(monkeypatch, layout, budget, seed):
+    """Blocks that cut through a query's tokens (budget below Lq x Ld), through a query's candidates and through
+    the documents in uneven parts: scores and gradients against the float64 reference, every mode and mask."""
+    monkeypatch.setattr(_cpu, "BLOCK_ELEMENTS", budget)
+    for masked, tau, doc_keep, query_keep in [("exclude", None, 0.7, 0.8), ("zero", None, 0.6, None),
+                                              ("exclude", 0.3, None, 0.8), ("zero", 1.0, 0.7, 0.8)]:
+        case = make_case(layout=layout, Nq=3, C=7, Lq=9, Ld=7, d=5, masked=masked, smooth_tau=tau,
+                         query_mask_keep=query_keep, doc_mask_keep=doc_keep, empty_doc=True,
+                         noncontiguous=budget == 50, seed=seed)
+        grad_out = upstream_gradient(case)
+        with force_backend("torch"):
+            got, grads = flash_scores_and_grads(case, grad_out)
+            expected, expected_grads = expected_scores_and_grads(case, grad_out)
+        assert_scores_close(got, expected, case)
+        assert_grads_close(grads, expected_grads, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_larger_random_problems_match_reference(dtype, seed):
+    """Sizes that are not multiples of anything (several blocks at the default size, odd d), fresh data:
+    scores and gradients of both maxima against the float64 reference."""
+    for layout, tau in [("padded", None), ("packed", None), ("padded", 0.1), ("candidates", None)]:
+        case = make_case(layout=layout, Nq=5, C=37 if layout != "candidates" else 11, Lq=31, Ld=203, d=67,
+                         dtype=dtype, smooth_tau=tau, doc_mask_keep=0.9, query_mask_keep=0.9, seed=seed)
+        grad_out = upstream_gradient(case)
+        with force_backend("torch"):
+            got, grads = flash_scores_and_grads(case, grad_out)
+            expected, expected_grads = expected_scores_and_grads(case, grad_out)
+        assert_scores_close(got, expected, case)
+        assert_grads_close(grads, expected_grads, case)
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.2])
+@pytest.mark.parametrize("layout", ["padded", "packed", "candidates"])
+def test_many_blocks_are_deterministic(monkeypatch, layout, smooth_tau, seed):
+    """Many blocks over torch's threads: scores and gradients bitwise identical from one call to the next."""
+    monkeypatch.setattr(_cpu, "BLOCK_ELEMENTS", 1 << 14)
+    case = make_case(layout=layout, Nq=6, C=40, Lq=32, Ld=64, d=48, smooth_tau=smooth_tau, doc_mask_keep=0.8,
+                     seed=seed)
+    grad_out = upstream_gradient(case)
+    with force_backend("torch"):
+        first_scores, first = flash_scores_and_grads(case, grad_out)
+        second_scores, second = flash_scores_and_grads(case, grad_out)
+    assert torch.equal(first_scores, second_scores)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _resident_peak_above_start(fn):
+    """The process's resident-set high-water mark during ``fn()`` above its resident set before (Linux)."""
+    import re
+
+    def read(key):
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                    # resets the high-water mark
+        before = read("VmRSS")
+    except OSError:
+        pytest.skip("needs Linux's /proc/self/clear_refs")
+    fn()
+    return read("VmHWM") - before
+
+
+@pytest.mark.parametrize("smooth_tau", [None, 0.1])
+def test_peak_memory_stays_within_blocks(monkeypatch, smooth_tau):
+    """Scoring and a training step hold blocks, never the similarity tensor: the resident set grows by less
+    than a few blocks plus the fp32 gradients, where the similarities alone would take 20x that."""
+    monkeypatch.setattr(_cpu, "BLOCK_ELEMENTS", 1 << 18)                  # 1 MiB of similarities per block
+    g = torch.Generator().manual_seed(0)
+    q, d = torch.randn(20, 32, 32, generator=g), torch.randn(1000, 80, 32, generator=g)
+    similarity_bytes = 20 * 1000 * 32 * 80 * 4
+    block_bytes = _cpu.BLOCK_ELEMENTS * 4
+    with force_backend("torch"):
+        flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau)                  # warm-up: threads, allocator
+
+        scoring = _resident_peak_above_start(lambda: flash_maxsim.maxsim(q, d, smooth_tau=smooth_tau))
+
+        def step():
+            qq, dd = q.clone().requires_grad_(), d.clone().requires_grad_()
+            flash_maxsim.maxsim(qq, dd, smooth_tau=smooth_tau).sum().backward()
+        training = _resident_peak_above_start(step)
+    gradients_and_copies = 3 * (q.numel() + d.numel()) * 4              # leaf copies and fp32 gradients
+    limit = 8 * block_bytes
+    assert similarity_bytes > 20 * limit
+    print(f"peak above start: scoring {scoring / 2**20:.1f} MiB, training {training / 2**20:.1f} MiB")
+    assert scoring < limit, (scoring, limit)
+    assert training < limit + gradients_and_copies, (training, limit + gradients_and_copies)
