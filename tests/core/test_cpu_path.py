@@ -10,7 +10,7 @@ import flash_maxsim
 from flash_maxsim import _cpu
 from flash_maxsim.ops import force_backend
 
-from .helpers import (DTYPES, LAYOUTS, MASK_DTYPES, assert_scores_close, check_case, expected_scores_and_grads,
+from .helpers import (DTYPES, LAYOUTS, MASK_DTYPES, assert_grads_close, assert_scores_close, check_case, expected_scores_and_grads,
                       flash_scores_and_grads, make_case, reference_scores_and_grads, upstream_gradient)
 
 PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
