@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if [ "$name" = core ]; then
-    "$venv/bin/python" -m pip install -q torch==2.13.0 triton==3.9.0 "pytest>=8" "hypothesis>=6.100" numpy
+    "$venv/bin/python" -m pip install -q torch==2.13.0 triton==3.9.0 "safetensors>=0.4" "pytest>=8" "hypothesis>=6.100" numpy
     "$venv/bin/python" -m pip install -q --no-deps -e "$root"
   else
     core_site="$("$core_py" -c 'import site; print(site.getsitepackages()[0])')"

@@ -57,7 +57,8 @@ for i in "${!names[@]}"; do
   if py="$(bash scripts/env.sh "$envname" ${args[$i]} | tail -n 1)" || {
        echo "suite $name: environment failed ($(free_mb) MB free); trying once more"
        py="$(bash scripts/env.sh "$envname" ${args[$i]} | tail -n 1)"; }; then
-    "$py" -m pytest "${paths[$i]}" -q -p no:cacheprovider --junitxml=".cache/junit/$name.xml" -o junit_suite_name="$name"
+    # shellcheck disable=SC2086  (the tests column may name several paths)
+    "$py" -m pytest ${paths[$i]} -q -p no:cacheprovider --junitxml=".cache/junit/$name.xml" -o junit_suite_name="$name"
     rc=$?
     if [ "$rc" -ne 0 ]; then echo "suite $name: pytest exited $rc"; status=1; fi
   else
