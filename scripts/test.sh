@@ -9,7 +9,7 @@
 # the CUDA build with its CUDA libraries, run on the CPU; each toolkit environment 0.2-0.8 GB, layered on one
 # of those). With under FLASH_MAXSIM_KEEP_ENVS_MB (default 20000) MB free at the start, each environment but
 # core is deleted after the last suite that needs it, and pip keeps no cache: the peak is then core +
-# torch-2.14 + one toolkit environment (8.3 GB measured, session 37). FLASH_MAXSIM_KEEP_ENVS=1 keeps them all,
+# torch-2.14 + one toolkit environment (8.3 GB measured). FLASH_MAXSIM_KEEP_ENVS=1 keeps them all,
 # =0 always deletes.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
