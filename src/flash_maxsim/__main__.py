@@ -1,16 +1,17 @@
-"""``python -m flash_maxsim check`` (or ``flash-maxsim check``): verify flash_maxsim on this machine.
+"""``flash-maxsim check`` (or ``python -m flash_maxsim check``): verify flash_maxsim on this machine.
 
 On CUDA the Triton kernels are checked against the float64 reference on a few standard shapes (ColBERT
 32x300, ColPali 32x1030, ragged documents, masks, smooth max, a training step) and timed against eager PyTorch
 (``einsum(...).amax(-1).sum(-1)``), with peak extra memory. On a CPU-only machine the same rows run on small
 shapes through the exact CPU path, and one tiny problem runs the Triton kernels under Triton's interpreter (in
-a subprocess with TRITON_INTERPRET=1) so that the kernels' code is verified too. Prints a markdown table;
-exits non-zero if any check fails.
+a subprocess with TRITON_INTERPRET=1) so that the kernels' code is verified too. Prints a table (or JSON with
+``--json``); exits non-zero if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import math
@@ -20,12 +21,21 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 log = logging.getLogger("flash_maxsim.check")
+
+DESCRIPTION = ("Verify flash_maxsim on this machine: scores and gradients against the float64 reference, "
+               "speed and peak memory against eager PyTorch (on the GPU if there is one, else on the CPU).")
+CPU_CAVEAT = ("On a CPU flash_maxsim runs an exact blocked PyTorch path, not the fused GPU kernels: these rows "
+              "check its numbers; at these small shapes speed and memory say little (benchmarks/cpu_bench.py "
+              "measures realistic ones). Peak memory on the CPU is the resident-set high-water mark.")
+ERROR_NOTE = ("error / tolerance: the largest error against the float64 reference divided by its tolerance "
+              "(1 or less passes). Scores: absolute error, tolerance 2e-5 x the fp32 accumulation bound; "
+              "gradients: relative error, tolerance 1e-4 (fp32) or 1e-2 (bf16); interpreted kernels: 1e-5.")
 
 
 @dataclass
@@ -45,7 +55,7 @@ class Row:
 
 @dataclass
 class Result:
-    row: Row
+    name: str
     shape: str
     error: float
     tolerance: float
@@ -53,11 +63,14 @@ class Result:
     eager_ms: Optional[float] = None
     flash_bytes: Optional[int] = None
     eager_bytes: Optional[int] = None
-    notes: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.error <= self.tolerance
+
+    @property
+    def error_over_tolerance(self) -> float:
+        return self.error / self.tolerance
 
 
 def standard_rows(device: str, quick: bool) -> list[Row]:
@@ -206,7 +219,7 @@ def run_row(row: Row, device: str, dtype: torch.dtype, repeats: int) -> Result:
         got = flash_maxsim.maxsim(q, documents, qmask, dmask, **kwargs)
         expected = reference.maxsim(q, documents, qmask, dmask, **kwargs)
     error = float((got.double() - expected).abs().max())
-    result = Result(row, shape, error, 2e-5 * _scale(q, documents))
+    result = Result(row.name, shape, error, 2e-5 * _scale(q, documents))
     with torch.no_grad():
         result.flash_ms = median_ms(lambda: flash_maxsim.maxsim(q, documents, qmask, dmask, **kwargs), device,
                                     repeats)
@@ -241,8 +254,7 @@ def _run_training_row(row, shape, q, documents, qmask, dmask, kwargs, device, re
     grad_rtol = 1e-4 if q.dtype == torch.float32 else 1e-2
     for g, e in zip(got[1:], expected[1:]):
         error = max(error, float((g.double() - e).norm() / e.norm().clamp_min(1e-30)) / grad_rtol)
-    result = Result(row, shape + ", scores + dQ + dD", error, 1.0)
-    result.notes.append("error column: worst of (score error / tolerance, gradient relative error / tolerance)")
+    result = Result(row.name, shape + ", scores + dQ + dD", error, 1.0)
     result.flash_ms = median_ms(lambda: step(flash_maxsim.maxsim), device, repeats)
     result.eager_ms = median_ms(lambda: step(eager_scores), device, repeats)
     result.flash_bytes = peak_extra_bytes(lambda: step(flash_maxsim.maxsim), device)
@@ -251,6 +263,10 @@ def _run_training_row(row, shape, q, documents, qmask, dmask, kwargs, device, re
 
 
 # --- the Triton kernels under the interpreter (CPU-only machines) ------------------------------------------------
+
+INTERPRETED_NAME = "Triton kernels, interpreted (fwd+bwd, ragged, masks, smooth)"
+INTERPRETED_SHAPE = "2x3 docs, Lq=5, Ld<=7, d=16, fp32"
+
 
 def interpreter_check() -> dict:
     """One tiny problem through the Triton kernels (forward and backward) vs the float64 reference. Needs
@@ -284,124 +300,180 @@ def interpreter_check() -> dict:
     for a, b in zip(grads, expected_grads):
         if a is not None and b is not None and b.numel():
             error = max(error, float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)) / 1e-5)
-    return {"error": error, "tolerance": 1.0, "seconds": seconds,
-            "interpreted": not torch.cuda.is_available()}
+    return {"error": error, "tolerance": 1.0, "seconds": seconds}
 
 
-def run_interpreter_check_subprocess() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "flash_maxsim", "interpreter-check"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        log.error("interpreter check failed to run:\n%s", proc.stderr[-4000:])
-        return {"error": math.inf, "tolerance": 1.0, "seconds": None, "interpreted": True}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+_INTERPRETER_CHECK_CODE = "import json, flash_maxsim.__main__ as m; print(json.dumps(m.interpreter_check()))"
+
+
+def run_interpreter_check() -> Result:
+    """The interpreter check in this process if the kernels were built for the interpreter, else in a new Python
+    with TRITON_INTERPRET=1 (it must be set before the kernels are first imported)."""
+    from flash_maxsim.kernels import launch
+
+    if launch.interpreting():
+        outcome = interpreter_check()
+    else:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK_CODE], env=env, capture_output=True,
+                              text=True, timeout=600)
+        if proc.returncode != 0:
+            log.error("the interpreter check failed to run:\n%s", proc.stderr[-4000:])
+            outcome = {"error": math.inf, "tolerance": 1.0, "seconds": None}
+        else:
+            outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    seconds = outcome["seconds"]
+    return Result(INTERPRETED_NAME, INTERPRETED_SHAPE, outcome["error"], outcome["tolerance"],
+                  flash_ms=None if seconds is None else seconds * 1e3)
+
+
+def _interpreter_runs_the_kernels(triton_version: str) -> bool:
+    """Triton's interpreter runs the kernels from Triton 3.7; older ones fail on their loops' tensor bounds."""
+    major, minor = (int(part) for part in triton_version.split("+")[0].split(".")[:2])
+    return (major, minor) >= (3, 7)
 
 
 # --- report ----------------------------------------------------------------------------------------------------
 
-def _ms(x):
-    return "n/a" if x is None else f"{x:.3f}"
+def _version(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
-def _mib(x):
+def _number(x: Optional[float], digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _mib(x: Optional[int]) -> str:
     return "n/a" if x is None else f"{x / 2**20:.1f}"
 
 
-def _ratio(a, b):
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
-def format_table(results: list[Result], interpreted: Optional[dict]) -> str:
-    lines = ["| check | shape | max error / tolerance | flash ms | eager ms | speed-up | flash peak MiB | "
-             "eager peak MiB | eager/flash memory | ok |",
+def format_table(results: Sequence[Result]) -> str:
+    lines = ["| check | result | error / tolerance | flash ms | eager ms | speed-up | flash peak MiB | "
+             "eager peak MiB | eager/flash memory | shape |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.row.name} | {r.shape} | {r.error:.3g} / {r.tolerance:.3g} | {_ms(r.flash_ms)} | "
-                     f"{_ms(r.eager_ms)} | {_ratio(r.eager_ms, r.flash_ms)} | {_mib(r.flash_bytes)} | "
-                     f"{_mib(r.eager_bytes)} | {_ratio(r.eager_bytes, r.flash_bytes)} | "
-                     f"{'yes' if r.ok else 'FAILED'} |")
-    if interpreted is not None:
-        ok = interpreted["error"] <= interpreted["tolerance"]
-        lines.append(f"| Triton kernels, interpreted (fwd+bwd, ragged, masks, smooth) | 2x3 docs, Lq=5, "
-                     f"Ld<=7, d=16, fp32 | {interpreted['error']:.3g} / {interpreted['tolerance']:.3g} | "
-                     f"{_ms(None if interpreted['seconds'] is None else interpreted['seconds'] * 1e3)} | n/a | n/a "
-                     f"| n/a | n/a | n/a | {'yes' if ok else 'FAILED'} |")
+        lines.append(f"| {r.name} | {'passed' if r.ok else 'FAILED'} | {r.error_over_tolerance:.3g} | "
+                     f"{_number(r.flash_ms)} | {_number(r.eager_ms)} | {_ratio(r.eager_ms, r.flash_ms)} | "
+                     f"{_mib(r.flash_bytes)} | {_mib(r.eager_bytes)} | {_ratio(r.eager_bytes, r.flash_bytes)} | "
+                     f"{r.shape} |")
     return "\n".join(lines)
 
 
-def check(device: Optional[str] = None, quick: bool = False, interpreter: bool = True, repeats: int = 5) -> int:
+def report(results: Sequence[Result], where: str, version: str, device: str) -> dict:
+    """The outcome as plain data (what ``--json`` prints)."""
+    def finite(x: Optional[float]) -> Optional[float]:
+        return x if x is None or math.isfinite(x) else None
+
+    return {
+        "flash_maxsim": version, "torch": torch.__version__, "triton": _version("triton"),
+        "device": device, "where": where, "passed": all(r.ok for r in results),
+        "checks": [{"name": r.name, "passed": r.ok, "error_over_tolerance": finite(r.error_over_tolerance),
+                    "error": finite(r.error), "tolerance": r.tolerance, "flash_ms": r.flash_ms,
+                    "eager_ms": r.eager_ms, "flash_peak_bytes": r.flash_bytes, "eager_peak_bytes": r.eager_bytes,
+                    "shape": r.shape} for r in results],
+    }
+
+
+def print_report(data: dict, results: Sequence[Result]) -> None:
+    failed = [r.name for r in results if not r.ok]
+    verdict = "all passed" if not failed else f"{len(failed)} FAILED"
+    print(f"flash_maxsim {data['flash_maxsim']} on {data['where']}: {len(results)} checks, {verdict}")
+    if data["device"] == "cpu":
+        print(f"\n{CPU_CAVEAT}")
+    print()
+    print(format_table(results))
+    print(f"\n{ERROR_NOTE}")
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}")
+    else:
+        print("\nall checks passed")
+
+
+# --- the command -----------------------------------------------------------------------------------------------
+
+def check(device: Optional[str] = None, quick: bool = False, interpreter: bool = True, repeats: int = 5,
+          as_json: bool = False) -> int:
+    """Run the checks, print the report (a table, or JSON); 0 if every check passed, else 1."""
     import flash_maxsim
-    from flash_maxsim.kernels import launch
     from flash_maxsim.ops import force_backend
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = standard_rows(device, quick)
+    versions = f"torch {torch.__version__}, Triton {_version('triton') or 'not installed'}"
     if device == "cuda":
-        log.info("flash_maxsim %s: Triton kernels on %s", flash_maxsim.__version__, torch.cuda.get_device_name())
+        where = f"{torch.cuda.get_device_name()} ({versions})"
         backend = None
     else:
-        log.info("flash_maxsim %s on the CPU: the exact chunked PyTorch path, small shapes; fp32 inputs "
-                 "(the CPU path computes in fp32 whatever the input dtype)", flash_maxsim.__version__)
+        where = f"the CPU ({versions}; the CPU path computes in fp32)"
         backend = "torch"
-    if device == "cpu":
         _return_freed_memory_to_the_system()
+    log.info("flash_maxsim %s on %s", flash_maxsim.__version__, where)
     results = []
     with force_backend(backend):
-        for row in rows:
-            log.info("checking %s", row.name)
+        for i, row in enumerate(rows, 1):
+            log.info("[%d/%d] %s", i, len(rows), row.name)
             result = run_row(row, device, dtype, repeats)
-            log.info("  max error / tolerance %.3g / %.3g, flash %s ms, eager %s ms", result.error,
-                     result.tolerance, _ms(result.flash_ms), _ms(result.eager_ms))
+            log.info("      error / tolerance %.3g, flash %s ms, eager %s ms", result.error_over_tolerance,
+                     _number(result.flash_ms), _number(result.eager_ms))
             results.append(result)
-    interpreted = None
     if device == "cpu" and interpreter:
-        log.info("running one tiny problem through the Triton kernels under TRITON_INTERPRET=1")
-        interpreted = interpreter_check() if launch.interpreting() else run_interpreter_check_subprocess()
-    print(format_table(results, interpreted))
-    notes = []
-    if device == "cpu":
-        notes.append("CPU: small shapes through the exact CPU path (fp32), not the fused GPU kernels; its "
-                     "temporaries are bounded by 2^24-element similarity blocks, so at these sizes it uses "
-                     "about as much memory as eager. Peak memory on the CPU is the resident-set high-water mark.")
-    for note in {n for r in results for n in r.notes}:
-        notes.append(note)
-    for note in notes:
-        print(f"\n{note}")
-    failed = [r.row.name for r in results if not r.ok]
-    if interpreted is not None and not interpreted["error"] <= interpreted["tolerance"]:
-        failed.append("Triton kernels, interpreted")
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}")
-        return 1
-    print("\nall checks passed")
-    return 0
+        missing = [name for name in ("triton", "numpy") if _version(name) is None]
+        if missing:
+            log.warning("the check of the Triton kernels under Triton's interpreter is skipped: it needs %s "
+                        "(pip install %s)", " and ".join(missing), " ".join(missing))
+        elif not _interpreter_runs_the_kernels(_version("triton")):
+            log.warning("the check of the Triton kernels under Triton's interpreter is skipped: Triton %s's "
+                        "interpreter cannot run them (3.7 or newer can; compiled on a GPU, they run from 3.6)",
+                        _version("triton"))
+        else:
+            log.info("the Triton kernels on one tiny problem under Triton's interpreter (up to a minute or two)")
+            results.append(run_interpreter_check())
+    data = report(results, where, flash_maxsim.__version__, device)
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print_report(data, results)
+    return 0 if data["passed"] else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flash-maxsim", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("check", help="verify against the float64 reference; speed and memory vs eager PyTorch")
+def _package_version() -> str:
+    import flash_maxsim
+
+    return flash_maxsim.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flash-maxsim", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    commands = parser.add_subparsers(dest="command", title="commands")
+    p = commands.add_parser("check", help="verify against the float64 reference; speed and memory against eager "
+                                          "PyTorch (the default command)", description=DESCRIPTION)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available, else cpu")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds; for tests)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds)")
     p.add_argument("--no-interpreter", action="store_true",
-                   help="CPU only: skip the Triton-interpreter check of the kernels")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement on the CPU")
-    sub.add_parser("interpreter-check", help=argparse.SUPPRESS)
+                   help="CPU only: skip running the Triton kernels under Triton's interpreter")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement on the CPU (default 5)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "interpreter-check":
-        print(json.dumps(interpreter_check()))
-        return 0
-    if args.command in (None, "check"):
-        if args.command is None:
-            args = parser.parse_args(["check"])
-        if args.device == "cuda" and not torch.cuda.is_available():
-            parser.error("--device cuda: CUDA is not available")
-        return check(args.device, args.quick, not args.no_interpreter, args.repeats)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    if args.command is None:
+        args = parser.parse_args(["check"])
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    return check(args.device, args.quick, not args.no_interpreter, args.repeats, args.json)
 
 
 if __name__ == "__main__":
