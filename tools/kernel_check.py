@@ -395,25 +395,18 @@ def train_ab(dev, rounds=7, variants=None):
                     times[label].append(bench(fn))
         # every step (ours under each variant, the peers') captured in a CUDA graph and replayed: the GPU's time
         # without the host's launches
-        graphed = {}
+        from ab_backward import graphed   # a sibling tool: warm-up on a side stream, then capture
+        replays = {}
         for label, (variant, fn) in steps.items():
             try:
                 with _variant(variant):
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for _ in range(3):
-                            fn()
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        fn()
-                graphed[label] = bench(graph.replay)
+                    graph = graphed(fn)
+                replays[label] = bench(graph.replay)
             except Exception as exc:     # a peer whose step does not capture: say so
-                graphed[label] = f"no graph ({type(exc).__name__})"
+                replays[label] = f"no graph ({type(exc).__name__})"
             q.grad = docs.grad = None
         print(f"train-graph {name}: " + "  ".join(f"{v if isinstance(v, str) else f'{v:.3f}'}:{k}"
-                                                  for k, v in graphed.items()), flush=True)
+                                                  for k, v in replays.items()), flush=True)
         print(f"train-ab {name}: " + "  ".join(f"{statistics.median(t):.3f}:{k}" for k, t in times.items()),
               flush=True)
         del q, docs
