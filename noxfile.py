@@ -54,7 +54,7 @@ OLDER_LINE_TESTS = tuple(f"tests/core/test_{name}.py" for name in (
     "interpreter", "backward", "launcher", "cpu_path", "autocast", "reference", "untrusted_input", "errors",
     "opcheck", "compile", "imports", "check_command")) + ("tools/tests/test_offline_memory.py",)
 # pytest-xdist, one worker per core; --dist loadfile keeps a file's tests on one worker, so the offline compiler's
-# module fixtures (a third of the suite's CPU time) compile once, not once per worker
+# module fixtures (a third of the suite's CPU time, Triton's cache empty) compile once, not once per worker
 PARALLEL = ("-n", "auto", "--dist", "loadfile")
 
 
