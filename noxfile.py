@@ -206,5 +206,7 @@ def check(session: nox.Session) -> None:
         session.install(".", "numpy", silent=False)
     else:
         session.install(".", "numpy", "--reinstall-package", PACKAGE, silent=False)
+        # only here: an environment on the calling Python's packages holds what its owner installed
+        session.run("uv", "pip", "check")
     _versions(session)
     session.run("flash-maxsim", "check", *session.posargs, env=CACHE_ENV)
