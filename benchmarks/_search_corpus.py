@@ -191,9 +191,11 @@ def build_index(gen: Generated, storage: str, placement, device, dtype, n_chunks
 def torch_chunk_plan(gen: Generated, documents, num_queries: int, lq: int,
                      sim_bytes: int = 1 << 30) -> list[tuple[int, int, int]]:
     """``(first, last, longest)`` document chunks for :func:`torch_chunked_search`: each chunk's similarity
-    tensor ``[Nq, c, Lq, longest]`` in bf16 at most ``sim_bytes``. Read from the host lengths, so that the timed
-    loop reads nothing from the device."""
-    c = max(1, sim_bytes // (num_queries * lq * gen.max_len * 2))
+    tensor ``[Nq, c, Lq, longest]`` in bf16, and its padded documents (with an int8 corpus's dequantisation
+    temporaries, ~3 copies), at most ``sim_bytes``. Read from the host lengths, so that the timed loop reads
+    nothing from the device."""
+    per_doc = gen.max_len * max(num_queries * lq * 2, gen.d * 6)
+    c = max(1, sim_bytes // per_doc)
     plan = []
     for s in range(0, gen.docs, c):
         e = min(gen.docs, s + c)

@@ -885,7 +885,8 @@ def search_time_table(rows: list[dict], labels: dict) -> list[str]:
         cells.append(f"{ours / floor:.2f}" if ours and floor else "–")
         body.append(cells)
     for row in rows:
-        if row.get("note"):
+        # a row's note, unless it is the reason its own result was skipped (footnoted already)
+        if row.get("note") and (row["results"].get("ours") or {}).get("error") != row["note"]:
             notes.mark(f"{_group(row)}: {row['note']}")
     return _table(head, body) + notes.render()
 

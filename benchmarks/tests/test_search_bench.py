@@ -112,7 +112,7 @@ def test_torch_chunked_search_and_regenerated_truth_find_the_exact_topk(corpus, 
     regen = regenerated_topk(gen, storage, len(gen.bounds), queries, 5, "cpu", torch.bfloat16)
     assert torch.equal(regen[1], truth[1]) and torch.equal(regen[0], truth[0])
     assert len(gen.bounds) >= 2
-    plan = torch_chunk_plan(gen, docs, 2, 4, sim_bytes=2 * 4 * gen.max_len * 2 * 4)     # 4 documents a chunk
+    plan = torch_chunk_plan(gen, docs, 2, 4, sim_bytes=4 * gen.max_len * 32 * 6)     # 4 documents a chunk
     assert len(plan) == -(-corpus.docs // 4)
     got = torch_chunked_search(queries, docs, 5, plan, corpus.length)
     check = compare_topk(got, truth, 0.05, exact_of=lambda idx: full.gather(1, idx))
