@@ -149,6 +149,7 @@ class _Shard:
         self.file: Optional[str] = None        # the file it is mapped from (disk placement), a path
         self.sha256: Optional[str] = None
         self.sealed = False
+        self.slot = 0                          # which of the placement's devices holds it
         self._cache: dict = {}
 
     @property
@@ -341,8 +342,10 @@ def _parse_placement(placement, stream_device, path) -> tuple[str, list[torch.de
         if not placement:
             raise ValueError("`placement` is an empty list; expected one or more devices")
         devices = [_cuda_device(f"placement[{i}]", p) for i, p in enumerate(placement)]
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"`placement` lists a device twice: {list(map(str, devices))}")
+        gpus = [d for d in devices if d.type == "cuda"]
+        if len(set(gpus)) != len(gpus):
+            # the CPU may be listed more than once: slots scored one after the other (a test of the merge)
+            raise ValueError(f"`placement` lists a GPU twice: {list(map(str, devices))}")
         return "devices", devices, devices[0], False
     if placement == "cuda:all":
         if not _cuda_available():
@@ -796,17 +799,17 @@ class DocumentIndex:
         return self._dim * STORAGES[self._storage].itemsize + extra
 
     def _new_shard(self, append: bool = True) -> _Shard:
+        slot = 0
         if self._kind == "devices":
-            held = {d: 0 for d in self._devices}
+            held = [0] * len(self._devices)
             for s in self._shards:
-                held[s.device] += s.nbytes
-            device = min(self._devices, key=lambda d: held[d])
-            score = device
-        else:
-            device = self._devices[0]
-            score = self._score_device if self._kind in ("host", "disk") else device
+                held[s.slot] += s.nbytes
+            slot = min(range(len(held)), key=lambda i: held[i])
+        device = self._devices[slot]
+        score = self._score_device if self._kind in ("host", "disk") else device
         limit = max(1, self._shard_bytes // self._token_bytes())
         shard = _Shard(self._dim, self._storage, device, score, self._pin, limit)
+        shard.slot = slot
         if append:
             self._shards.append(shard)
         return shard
@@ -843,7 +846,8 @@ class DocumentIndex:
         """A disk index's shard written out and replaced by its memory-mapped file."""
         name, sha, documents, tokens = self._write_shard(shard, directory)
         live_ids = [i for i, r in zip(shard.ids, shard.removed.data.tolist()) if not r]
-        mapped = self._shard_from_file(os.path.join(directory, name), name, documents, tokens, live_ids, sha)
+        path = os.path.join(directory, name)
+        mapped = self._shard_from_file(path, path, documents, tokens, live_ids, sha)
         self._replace_shard(shard, mapped)
 
     def _shard_from_file(self, path: str, name: str, documents: int, tokens: int, ids: list, sha: str) -> _Shard:
@@ -880,6 +884,7 @@ class DocumentIndex:
         keep = shard.live_mask_tokens()
         fresh = _Shard(self._dim, self._storage, shard.device, shard.score_device, shard.pin,
                        shard.values.limit)
+        fresh.slot = shard.slot
         scales = None if shard.scales is None else shard.scales.data[keep.to(shard.device)]
         fresh.append(shard.values.data[keep.to(shard.device)], scales, shard.lengths()[keep_docs],
                      [i for i, k in zip(shard.ids, keep_docs.tolist()) if k])
@@ -1021,14 +1026,15 @@ class DocumentIndex:
         base = 0
         for shard in self._shards:
             if shard.live:
-                groups.setdefault(shard.score_device, []).append((shard, base))
+                groups.setdefault(shard.slot, []).append((shard, base))
             base += shard.live
         max_docs = chunk_size or default_chunk_size(Nq)
         streamed = self._kind in ("host", "disk")
         max_tokens = max(1, self._stream_bytes // self._token_bytes()) if streamed else None
         partial = []
         with torch.no_grad():
-            for device, members in groups.items():
+            for members in groups.values():
+                device = members[0][0].score_device
                 p = self._queries(queries, queries_mask, device)
                 top = RunningTopK(Nq, kk, device)
                 chunks = [(shard, live_base, plan) for shard, live_base in members
@@ -1132,12 +1138,12 @@ class DocumentIndex:
             name = entry["file"]
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
-                raise ValueError(f"{name}: the shard file listed in the manifest is missing")
-            mapped = index._shard_from_file(path, name, entry["documents"], entry["tokens"],
+                raise ValueError(f"{path}: the shard file listed in the manifest is missing")
+            mapped = index._shard_from_file(path, path, entry["documents"], entry["tokens"],
                                             ids[start:start + entry["documents"]], entry["sha256"])
             start += entry["documents"]
             if verify and _sha256(path) != entry["sha256"]:
-                raise ValueError(f"{name}: `sha256` does not match the file's contents (damaged, truncated or "
+                raise ValueError(f"{path}: `sha256` does not match the file's contents (damaged, truncated or "
                                  "altered after it was written)")
             if mapped.count == 0:
                 continue
