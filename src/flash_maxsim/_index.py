@@ -24,6 +24,7 @@ Loading validates every field a file from elsewhere can get wrong before any of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -238,11 +239,11 @@ class _Shard:
             chunks.append((s, e))
             s = e
         lengths = self.lengths()
-        bounds = o.tolist()
+        bounds = o[torch.tensor([c[0] for c in chunks] + [n], dtype=torch.int64)].tolist()
         out = []
-        for s, e in chunks:
+        for i, (s, e) in enumerate(chunks):
             longest = int(lengths[s:e].max()) if e > s else 0
-            out.append((s, e, bounds[s], bounds[e], longest))
+            out.append((s, e, bounds[i], bounds[i + 1], longest))
         self._cache[key] = out
         return out
 
@@ -262,10 +263,17 @@ class _Shard:
             lengths = self.lengths()[~self.removed.data]
             offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
             offsets[1:] = lengths.cumsum(0)
-        tensors = {"offsets": offsets.contiguous().clone(), "values": values.to("cpu").contiguous().clone()}
+        tensors = {"offsets": _owned(offsets), "values": _owned(values)}
         if scales is not None:
-            tensors["scales"] = scales.to("cpu").contiguous().clone()
+            tensors["scales"] = _owned(scales)
         return tensors
+
+
+def _owned(t: Tensor) -> Tensor:
+    """``t`` on the CPU in a storage of its own (safetensors refuses views of a larger storage: a mapped file, a
+    shard's buffer)."""
+    t = t.to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 # ------------------------------------------------------------------------------------------- argument checks
@@ -655,6 +663,9 @@ class _Streamer:
             scales = [torch.empty(max(tokens, 1), dtype=first.scales.dtype, device=device) for _ in range(2)]
         copy_stream = torch.cuda.Stream(device)
         main = torch.cuda.current_stream(device)
+        for buffer in buffers + (scales or []):
+            # freed at the end: not reused before the side stream's last copy into it (a search stopped early)
+            buffer.record_stream(copy_stream)
         ready: list = [None] * n
         free: list = [None, None]            # the scoring that last read each buffer
         staged: list = [None, None]          # the copy that last read each staging buffer
@@ -926,6 +937,8 @@ class DocumentIndex:
             seen.add(value)
         if count == 0:
             return []
+        if not values.is_cuda and self._kind in ("cuda", "devices") and self._devices[0].type == "cuda":
+            values = values.to(self._devices[0])          # encoded where it is stored (one GPU of several)
         if self._storage in _SCALES:
             values, scales = quantize_tokens(values, self._storage, scale_dtype=_SCALES[self._storage])
         else:
@@ -1035,28 +1048,10 @@ class DocumentIndex:
         with torch.no_grad():
             for members in groups.values():
                 device = members[0][0].score_device
-                p = self._queries(queries, queries_mask, device)
-                top = RunningTopK(Nq, kk, device)
-                chunks = [(shard, live_base, plan) for shard, live_base in members
-                          for plan in shard.plan(max_docs, max_tokens)]
-                if streamed and device.type == "cuda":
-                    streamer = _Streamer(device, self._staging)
-                    tensors = streamer.run([(shard, plan[2], plan[3]) for shard, _, plan in chunks])
-                else:
-                    tensors = ((shard.values.data[plan[2]:plan[3]],
-                                None if shard.scales is None else shard.scales.data[plan[2]:plan[3]])
-                               for shard, _, plan in chunks)
-                for (shard, live_base, (s, e, t0, t1, longest)), (values, scales) in zip(chunks, tensors):
-                    offsets = shard.device_offsets()[s:e + 1] - t0
-                    problem = Problem(p.queries, p.queries_mask, values, None, offsets, longest, 0, False, scales)
-                    out = _scores(problem, False, None)
-                    if shard.removed_count:
-                        excluded = shard.device_removed()[s:e]
-                        live = (e - s) - int(shard.removed.data[s:e].sum())
-                        top.push(out, shard.live_ranks()[s:e] + live_base, excluded, live)
-                    else:
-                        top.push(out, live_base + s)
-                partial.append((top.scores, top.positions))
+                # the kernels launch on the current CUDA device: each device's shards are scored under it
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    partial.append(self._search_on(device, members, queries, queries_mask, Nq, kk, max_docs,
+                                                   max_tokens))
         out_device = probe.queries.device
         if not partial:
             scores = torch.zeros((Nq, 0), dtype=torch.float32, device=out_device)
@@ -1071,6 +1066,31 @@ class DocumentIndex:
         if probe.single_query:
             return IndexSearchResult(scores[0], ids[0], positions[0])
         return IndexSearchResult(scores, ids, positions)
+
+    def _search_on(self, device: torch.device, members: list, queries: Tensor, queries_mask, Nq: int, k: int,
+                   max_docs: int, max_tokens: Optional[int]) -> tuple[Tensor, Tensor]:
+        """The top k of the shards ``members`` (``(shard, live documents before it)``, in insertion order), all
+        scored on ``device``: ``(scores, positions)`` there."""
+        p = self._queries(queries, queries_mask, device)
+        top = RunningTopK(Nq, k, device)
+        chunks = [(shard, live_base, plan) for shard, live_base in members
+                  for plan in shard.plan(max_docs, max_tokens)]
+        if max_tokens is not None and device.type == "cuda":
+            tensors = _Streamer(device, self._staging).run([(shard, plan[2], plan[3]) for shard, _, plan in chunks])
+        else:
+            tensors = ((shard.values.data[plan[2]:plan[3]],
+                        None if shard.scales is None else shard.scales.data[plan[2]:plan[3]])
+                       for shard, _, plan in chunks)
+        for (shard, live_base, (s, e, t0, t1, longest)), (values, scales) in zip(chunks, tensors):
+            offsets = shard.device_offsets()[s:e + 1] - t0
+            problem = Problem(p.queries, p.queries_mask, values, None, offsets, longest, 0, False, scales)
+            out = _scores(problem, False, None)
+            if shard.removed_count:
+                live = (e - s) - int(shard.removed.data[s:e].sum())      # a host count: no read of the device
+                top.push(out, shard.live_ranks()[s:e] + live_base, shard.device_removed()[s:e], live)
+            else:
+                top.push(out, live_base + s)
+        return top.scores, top.positions
 
     # --- save / load
     def save(self, directory: Union[str, os.PathLike]) -> None:

@@ -555,3 +555,14 @@ def test_cuda_placements_agree(storage, tmp_path, seed):
     indexes["host"].save(tmp_path / "saved")
     back = fm.DocumentIndex.load(tmp_path / "saved", placement="disk", **small)
     assert torch.equal(back.search(q, 10).positions, want.indices)
+
+
+def test_no_queries_and_an_empty_index():
+    index = _small("int8")
+    got = index.search(torch.ones(2, 3, 8), 5)
+    assert got.scores.shape == got.positions.shape == (2, 0) and got.ids == [[], []]
+    index.add([torch.ones(2, 8), torch.zeros(0, 8)])
+    got = index.search(torch.ones(0, 3, 8), 5)
+    assert got.scores.shape == (0, 2) and got.ids == []
+    got = index.search(torch.ones(3, 8), 5)
+    assert got.ids == [0, 1] and got.scores[1] == 0

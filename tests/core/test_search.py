@@ -385,3 +385,22 @@ def test_cuda_padded_search_never_waits_for_the_device(twice_second_without_sync
                                    dtype=torch.bfloat16, masks=True, device="cuda")
     first, second = twice_second_without_sync(lambda: fm.search(q, docs, 10, qm, dm, chunk_size=128))
     assert torch.equal(first.indices, second.indices) and torch.equal(first.scores, second.scores)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_memory_is_bounded_by_the_chunk_not_the_corpus(seed):
+    """256 queries x 100k documents: the score matrix would be 100 MiB; a search in chunks of 2048 documents
+    holds ~25 bytes per score of a chunk (13 MiB) and the kernels' scratch for it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(256, 8, 16, generator=g).to("cuda", torch.bfloat16)
+    d = torch.randn(100_000, 4, 16, generator=g).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = fm.search(q, d, 10, chunk_size=2048)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 40 * 2 ** 20, extra / 2 ** 20
+    want = torch.sort(fm.maxsim(q, d), descending=True, stable=True)
+    torch.testing.assert_close(got.scores, want.values[:, :10], rtol=1e-6, atol=1e-4)
