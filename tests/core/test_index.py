@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_maxsim as fm
 from flash_maxsim import _index
@@ -89,6 +91,23 @@ def test_search_equals_flash_maxsim_search_over_the_documents(storage, chunk_siz
             torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-5)
         else:
             _same(got, want, list(range(23)))
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+def test_8bit_storage_against_the_reference_on_the_dequantized_values(storage, seed):
+    from flash_maxsim import reference
+    from flash_maxsim.quantization import queries_as_scored
+    g = torch.Generator().manual_seed(seed)
+    docs = _docs(g, 15, d=8, integer=False)
+    index = _small(storage)
+    index.add(docs)
+    q = _queries(g, Nq=4, integer=False)
+    stored = fm.quantize(fm.pack(docs), dtype=storage)
+    ref = reference.maxsim(queries_as_scored(q, stored).double(), stored.dequantize(torch.float64))
+    got = index.search(q, 6)
+    torch.testing.assert_close(got.scores.double(), ref.gather(1, got.positions), rtol=0, atol=1e-4)
+    best = torch.sort(ref, dim=1, descending=True).values[:, :6]
+    torch.testing.assert_close(got.scores.double(), best, rtol=0, atol=1e-4)
 
 
 def test_random_embeddings_single_query_and_k_beyond_the_corpus(seed):
@@ -566,3 +585,53 @@ def test_no_queries_and_an_empty_index():
     assert got.scores.shape == (0, 2) and got.ids == []
     got = index.search(torch.ones(3, 8), 5)
     assert got.ids == [0, 1] and got.scores[1] == 0
+
+
+# ------------------------------------------------------------------------------------------- damaged files at random
+
+def _saved_bytes():
+    import tempfile
+    g = torch.Generator().manual_seed(1)
+    index = _small("int8", shard_bytes=1 << 20)
+    index.add(_docs(g, 4, longest=3), ids=["a", 1, "c", 3])
+    with tempfile.TemporaryDirectory() as directory:
+        index.save(directory)
+        manifest = (json.loads(open(os.path.join(directory, "manifest.json")).read()))
+        name = manifest["shards"][0]["file"]
+        return manifest, name, open(os.path.join(directory, name), "rb").read()
+
+
+MANIFEST, SHARD_NAME, SHARD = _saved_bytes()
+
+
+def _load_damaged(data, verify):
+    import tempfile
+    with tempfile.TemporaryDirectory() as directory:
+        with open(os.path.join(directory, "manifest.json"), "w") as f:
+            json.dump(MANIFEST, f)
+        with open(os.path.join(directory, SHARD_NAME), "wb") as f:
+            f.write(data)
+        try:
+            index = fm.DocumentIndex.load(directory, placement="cpu", verify=verify)
+        except ValueError as error:
+            assert SHARD_NAME in str(error) and "`" in str(error), str(error)
+            return None
+        with force_backend("torch"):
+            result = index.search(torch.ones(2, 3, 8), 3)     # whatever the bytes, scoring reads only its inputs
+        assert result.scores.shape == (2, 3)
+        return index
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, len(SHARD) - 1), verify=st.booleans())
+def test_a_shard_cut_anywhere_is_a_clear_error(cut, verify):
+    assert _load_damaged(SHARD[:cut], verify) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(bit=st.integers(0, len(SHARD) * 8 - 1))
+def test_a_flipped_bit_anywhere_is_a_clear_error_or_an_index_that_scores(bit):
+    data = bytearray(SHARD)
+    data[bit // 8] ^= 1 << (bit % 8)
+    assert _load_damaged(bytes(data), verify=True) is None          # the checksum covers every byte
+    _load_damaged(bytes(data), verify=False)
