@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ._layout import Problem, _check_document_list, _is_packed, _shape, canonicalize
 from ._search import RunningTopK, check_chunk_size, check_k, default_chunk_size, merge_top_k
-from ._types import SUPPORTED_DTYPES, PackedDocuments, offsets_longest, quantize_tokens
+from ._types import SUPPORTED_DTYPES, offsets_longest, quantize_tokens
 from .ops import scores as _scores
 
 __all__ = ["DocumentIndex", "IndexSearchResult", "STORAGES", "FORMAT", "VERSION", "MANIFEST"]

@@ -18,7 +18,7 @@ from typing import Iterator, Literal, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._layout import (Problem, _check_document_list, _is_packed, _shape, canonicalize, remember_offsets)
+from ._layout import Problem, _check_document_list, _is_packed, _shape, canonicalize, remember_offsets
 from ._types import Documents, DocumentsMask, QuantizedDocuments
 from .ops import scores as _scores
 
@@ -310,7 +310,8 @@ def search(queries: Tensor, documents: Union[Documents, QuantizedDocuments], k: 
         autograd).
 
     Memory: O(Nq x k) for the result, plus per chunk the ``Nq x chunk`` fp32 scores and their selection keys
-    (~25 bytes a score in all), and the kernels' scratch for ``chunk`` columns (docs/semantics.md, "Memory"); never O(Nq x B).
+    (~25 bytes a score in all), and the kernels' scratch for ``chunk`` columns (docs/semantics.md, "Memory");
+    never O(Nq x B).
     Packed and quantised documents are chunked by views, without copying the corpus; a list is packed one chunk at
     a time; candidates are copied chunk by chunk when a chunk is narrower than K.
     """

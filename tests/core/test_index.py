@@ -62,10 +62,13 @@ def _same(got, want, ids=None):
         assert got.ids == (expected[0] if want.indices.dim() == 1 else expected)
 
 
+TOKEN_BYTES = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8 + 2, "fp8": 8 + 4}      # d = 8, with the scale
+
+
 def _small(storage="fp32", **kw):
-    """An index of small shards (a few documents each), so that searches cross shard boundaries."""
+    """An index of small shards (9 tokens: a few documents each), so that searches cross shard boundaries."""
     kw.setdefault("placement", "cpu")
-    return fm.DocumentIndex(8, storage=storage, shard_bytes=kw.pop("shard_bytes", 8 * 4 * 9), **kw)
+    return fm.DocumentIndex(8, storage=storage, shard_bytes=kw.pop("shard_bytes", TOKEN_BYTES[storage] * 9), **kw)
 
 
 # ------------------------------------------------------------------------------------------- search
