@@ -65,6 +65,31 @@ def _same(got, want, ids=None):
 TOKEN_BYTES = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8 + 2, "fp8": 8 + 4}      # d = 8, with the scale
 
 
+def _near(got, want_scores, want_positions, atol=1e-4, ids=None):
+    """Where scores are not exact (random or 8-bit values: a score's last bits depend on the shape of the chunk it
+    was computed in): the same scores to ``atol``, positions equal except where near-equal scores swapped."""
+    assert got.scores.shape == got.positions.shape == want_scores.shape
+    torch.testing.assert_close(got.scores, want_scores, rtol=0, atol=atol)
+    if want_scores.numel() == 0:
+        return
+    # a score more than 2 atol from its neighbours (the last one's lower neighbour is not returned) is the same
+    # document's
+    scores = want_scores.reshape(-1, want_scores.shape[-1])
+    positions = want_positions.reshape(scores.shape)
+    apart = torch.ones_like(scores, dtype=torch.bool)
+    apart[:, -1] = False
+    apart[:, 1:] &= (scores[:, 1:] - scores[:, :-1]).abs() > 2 * atol
+    apart[:, :-1] &= (scores[:, :-1] - scores[:, 1:]).abs() > 2 * atol
+    assert torch.equal(got.positions.reshape(scores.shape)[apart], positions[apart])
+    for row in got.positions.reshape(-1, got.positions.shape[-1]).tolist():
+        assert len(set(row)) == len(row)
+    if ids is not None:
+        rows = got.positions.tolist()
+        rows = [rows] if got.positions.dim() == 1 else rows
+        names = [[ids[p] for p in row] for row in rows]
+        assert got.ids == (names[0] if got.positions.dim() == 1 else names)
+
+
 def _small(storage="fp32", **kw):
     """An index of small shards (9 tokens: a few documents each), so that searches cross shard boundaries."""
     kw.setdefault("placement", "cpu")
@@ -90,8 +115,7 @@ def test_search_equals_flash_maxsim_search_over_the_documents(storage, chunk_siz
         want = _expected(q, docs, k, storage, qm)
         if storage in ("int8", "fp8"):
             # the same values and scales: the same scores up to the summation order of the chunk's shape
-            assert torch.equal(got.positions, want.indices)
-            torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-5)
+            _near(got, want.scores, want.indices, ids=list(range(23)))
         else:
             _same(got, want, list(range(23)))
 
@@ -121,7 +145,8 @@ def test_random_embeddings_single_query_and_k_beyond_the_corpus(seed):
     q = _queries(g, Nq=1, integer=False)[0]
     got = index.search(q, 20)
     assert got.scores.shape == got.positions.shape == (9,) and len(got.ids) == 9
-    _same(got, _expected(q, docs, 20, "fp32"), list(range(9)))
+    want = _expected(q, docs, 20, "fp32")
+    _near(got, want.scores, want.indices, ids=list(range(9)))
 
 
 def test_many_small_adds_equal_one_big_add(seed):
@@ -322,8 +347,7 @@ def test_disk_placement_streams_shard_files_in_chunks(storage, tmp_path, seed):
     q = _queries(g)
     got = index.search(q, 6)
     want = _expected(q, docs, 6, storage)
-    assert torch.equal(got.positions, want.indices)
-    torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-5)
+    _near(got, want.scores, want.indices)
     with pytest.raises(ValueError, match="already holds an index"):
         index.save(tmp_path / "idx")
         fm.DocumentIndex(8, placement="disk", path=tmp_path / "idx")
@@ -350,8 +374,7 @@ def test_save_load_round_trip(storage, tmp_path, seed):
                                      else None)
         assert back.ids == index.ids and back.storage == storage and back.dim == 8
         got = back.search(q, 6)
-        assert got.ids == want.ids and torch.equal(got.positions, want.positions)
-        torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-5)
+        _near(got, want.scores, want.positions, ids=index.ids)
     # what was loaded can be changed and saved again, over the old one
     back = fm.DocumentIndex.load(tmp_path, placement="cpu")
     back.add(docs[:1], ids=["new"])
@@ -382,8 +405,8 @@ def test_a_disk_index_saved_in_place_rewrites_only_what_changed(tmp_path, seed):
     live = docs[1:] + docs[:2]
     got = fm.DocumentIndex.load(tmp_path, placement="cpu").search(q, 5)
     want = _expected(q, live, 5, "int8")
-    assert torch.equal(got.positions, want.indices)
-    assert torch.equal(disk.search(q, 5).positions, want.indices)
+    _near(got, want.scores, want.indices)
+    _near(disk.search(q, 5), want.scores, want.indices)
 
 
 # crafted files: each a ValueError naming the file and the field
@@ -540,8 +563,7 @@ def test_the_kernels_score_an_index(seed):
         with force_backend("triton"):
             got = index.search(q, 4, chunk_size=3)
             want = _expected(q, docs, 4, storage)
-        assert torch.equal(got.positions, want.indices)
-        torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-4)
+        _near(got, want.scores, want.indices)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -571,12 +593,11 @@ def test_cuda_placements_agree(storage, tmp_path, seed):
     want = _expected(q, live, 10, storage)
     for name, index in indexes.items():
         got = index.search(q, 10)
-        assert got.scores.device.type == "cuda"
-        assert torch.equal(got.positions, want.indices), name
-        torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-3)
+        assert got.scores.device.type == "cuda", name
+        _near(got, want.scores, want.indices, atol=1e-3)
     indexes["host"].save(tmp_path / "saved")
     back = fm.DocumentIndex.load(tmp_path / "saved", placement="disk", **small)
-    assert torch.equal(back.search(q, 10).positions, want.indices)
+    _near(back.search(q, 10), want.scores, want.indices, atol=1e-3)
 
 
 def test_no_queries_and_an_empty_index():

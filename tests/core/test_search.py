@@ -213,7 +213,7 @@ def test_scores_are_detached():
 
 def test_nan_scores_rank_first_in_index_order_as_a_stable_sort_places_them():
     q = torch.ones(1, 2, 4)
-    d = torch.randn(8, 3, 4)
+    d = torch.randint(-2, 3, (8, 3, 4)).float()
     d[[2, 5], 1, 0] = float("nan")
     with force_backend("torch"):
         got = fm.search(q, d, 4, chunk_size=3)
