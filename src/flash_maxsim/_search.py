@@ -299,8 +299,8 @@ def search(queries: Tensor, documents: Union[Documents, QuantizedDocuments], k: 
             per query, indices into K.
         k: how many documents per query, an int >= 1; ``k' = min(k, number of documents)`` are returned.
         chunk_size: documents scored per chunk (candidates per query for ``[Nq, K, Ld, d]``); default
-            ``max(1, 2**22 // Nq)``. Results do not depend on it (up to the last bits of the scores, which
-            depend on the chunk's shape on the GPU as ``maxsim``'s do).
+            ``max(1, 2**22 // Nq)``. Results do not depend on it, up to the last bits of the scores, which depend
+            on the chunk's shape as ``maxsim``'s depend on the problem's.
 
     Returns:
         :class:`SearchResult` ``(scores [Nq, k'] float32, indices [Nq, k'] int64)`` (``[k']`` each for a
