@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import numbers
 import operator
 import os
 import sys
@@ -37,6 +36,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from ._search import check_k
 
 if TYPE_CHECKING:  # pragma: no cover
     from .index import DocumentIndex, IndexSearchResult
@@ -99,12 +100,6 @@ def _index(value, name: str) -> int:
     return value
 
 
-def _check_k(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"`k` must be an int >= 1, got {k!r}")
-    return int(k)
-
-
 def _comm_device(group, local_device: torch.device) -> torch.device:
     """Where the collectives' tensors live: this rank's current GPU for NCCL, the CPU for gloo (and for a
     multi-backend group, the GPU when the local results are there)."""
@@ -143,7 +138,7 @@ def search(index: "DocumentIndex", queries: torch.Tensor, k: int, queries_mask: 
         ValueError (on every rank, before any result is exchanged) when the ranks disagree on the number of
         queries, a single query, ``dim`` or ``k``.
     """
-    k = _check_k(k)
+    k = check_k(k)
     rank, world = _group_rank_and_size(group)
     local = index.search(queries, k, queries_mask)
     scores, ids, positions = local.scores, local.ids, local.positions
@@ -178,37 +173,35 @@ def search(index: "DocumentIndex", queries: torch.Tensor, k: int, queries_mask: 
         empty_positions = torch.empty(nq, 0, dtype=torch.int64, device=out_device)
         return _result(local, empty_scores, [[] for _ in range(nq)], empty_positions, single)
 
-    padded_scores = torch.full((nq, kk), float("-inf"), dtype=torch.float32, device=device)
-    padded_positions = torch.full((nq, kk), -1, dtype=torch.int64, device=device)
+    padded_scores = torch.zeros((nq, kk), dtype=torch.float32, device=device)
+    padded_positions = torch.zeros((nq, kk), dtype=torch.int64, device=device)
     padded_scores[:, :width] = scores.to(device=device, dtype=torch.float32)
     padded_positions[:, :width] = positions.to(device=device, dtype=torch.int64) + offsets[rank]
     all_scores = [torch.empty_like(padded_scores) for _ in range(world)]
     all_positions = [torch.empty_like(padded_positions) for _ in range(world)]
     dist.all_gather(all_scores, padded_scores, group=group)
     dist.all_gather(all_positions, padded_positions, group=group)
+    # rank r's list holds min(k, its documents) entries for every query; the rest of its kk columns is padding
+    widths = [min(k, c) for c in counts]
 
-    every_int = bool(table[:, 5].all())
-    if every_int:
+    if bool(table[:, 5].all()):                   # every rank's listed ids are int64: one tensor collective
         padded_ids = torch.zeros((nq, kk), dtype=torch.int64, device=device)
         if width and nq:
             padded_ids[:, :width] = torch.tensor(ids, dtype=torch.int64).to(device)
-        all_ids_tensors = [torch.empty_like(padded_ids) for _ in range(world)]
-        dist.all_gather(all_ids_tensors, padded_ids, group=group)
-        # [Nq, world * kk] of Python ints, in the column order of the merged tensors
-        merged_ids = torch.cat(all_ids_tensors, dim=1).cpu().tolist()
-    else:
-        gathered: List[Optional[List[List[Any]]]] = [None] * world
+        all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+        dist.all_gather(all_ids, padded_ids, group=group)
+        merged_ids = torch.cat([t[:, :w] for t, w in zip(all_ids, widths)], dim=1).cpu().tolist()
+    else:                                         # strings (or ints beyond int64): pickled
+        gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, [list(row) for row in ids], group=group)
-        merged_ids = [[i for r in range(world) for i in (list(gathered[r][q]) + [None] * (kk - len(gathered[r][q])))]
-                      for q in range(nq)]
+        merged_ids = [[i for r in range(world) for i in gathered[r][q]] for q in range(nq)]
 
-    merged_scores = torch.cat(all_scores, dim=1)          # [Nq, world * kk], rank-major
-    merged_positions = torch.cat(all_positions, dim=1)
-    # score descending, equal scores in column order (rank, then the rank's own order); padding last
-    order = torch.sort(merged_scores, dim=1, descending=True, stable=True).indices
-    valid = (merged_positions >= 0).gather(1, order)
-    order = order.gather(1, torch.sort(valid.to(torch.int8), dim=1, descending=True, stable=True).indices)
-    order = order[:, :kept]
+    # [Nq, sum of widths] in rank order, each rank's list in its own order
+    merged_scores = torch.cat([t[:, :w] for t, w in zip(all_scores, widths)], dim=1)
+    merged_positions = torch.cat([t[:, :w] for t, w in zip(all_positions, widths)], dim=1)
+    # score descending (NaN first, as one index orders them); a stable sort keeps equal scores in column order:
+    # lower rank first, then the rank's own order (its insertion order)
+    order = torch.sort(merged_scores, dim=1, descending=True, stable=True).indices[:, :kept]
     final_scores = merged_scores.gather(1, order).to(out_device)
     final_positions = merged_positions.gather(1, order).to(out_device)
     columns = order.cpu().tolist()
