@@ -10,12 +10,13 @@ from . import _name_clash, reference
 from ._api import maxsim
 from ._types import PackedDocuments, QuantizedDocuments
 from ._layout import pack
+from ._index import DocumentIndex, IndexSearchResult
 from ._search import SearchResult, search
 from .quantization import quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["maxsim", "search", "SearchResult", "pack", "PackedDocuments", "quantize", "QuantizedDocuments",
+__all__ = ["maxsim", "search", "SearchResult", "DocumentIndex", "IndexSearchResult", "pack", "PackedDocuments", "quantize", "QuantizedDocuments",
            "reference", "__version__"]
 
 
