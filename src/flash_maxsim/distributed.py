@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._search import check_k
+from ._search import check_k, merge_top_k
 
 if TYPE_CHECKING:  # pragma: no cover
     from .index import DocumentIndex, IndexSearchResult
@@ -196,16 +196,16 @@ def search(index: "DocumentIndex", queries: torch.Tensor, k: int, queries_mask: 
         dist.all_gather_object(gathered, [list(row) for row in ids], group=group)
         merged_ids = [[i for r in range(world) for i in gathered[r][q]] for q in range(nq)]
 
-    # [Nq, sum of widths] in rank order, each rank's list in its own order
-    merged_scores = torch.cat([t[:, :w] for t, w in zip(all_scores, widths)], dim=1)
-    merged_positions = torch.cat([t[:, :w] for t, w in zip(all_positions, widths)], dim=1)
-    # score descending (NaN first, as one index orders them); a stable sort keeps equal scores in column order:
-    # lower rank first, then the rank's own order (its insertion order)
-    order = torch.sort(merged_scores, dim=1, descending=True, stable=True).indices[:, :kept]
-    final_scores = merged_scores.gather(1, order).to(out_device)
-    final_positions = merged_positions.gather(1, order).to(out_device)
-    columns = order.cpu().tolist()
-    final_ids = [[merged_ids[q][c] for c in columns[q]] for q in range(nq)]
+    # score descending, then lower global position: lower rank first, then the rank's own insertion order (the
+    # rule, NaN first included, by which one index merges the top k of its devices)
+    final_scores, final_positions = merge_top_k([t[:, :w] for t, w in zip(all_scores, widths)],
+                                                [t[:, :w] for t, w in zip(all_positions, widths)], kept)
+    final_scores, final_positions = final_scores.to(out_device), final_positions.to(out_device)
+    listed = torch.cat([t[:, :w] for t, w in zip(all_positions, widths)], dim=1).cpu().tolist()
+    final_ids = []
+    for q, row in enumerate(final_positions.cpu().tolist()):
+        id_of = dict(zip(listed[q], merged_ids[q]))
+        final_ids.append([id_of[p] for p in row])
     return _result(local, final_scores, final_ids, final_positions, single)
 
 
