@@ -283,8 +283,6 @@ class ExactIndex(_PyLateBase):
         return out_scores, out_ids
 
     def _rank_subsets(self, queries: List[Tensor], k: int, subset) -> List[List[dict]]:
-        from . import pylate as flash_pylate
-
         if len(subset) and isinstance(subset[0], (list, tuple)):
             if len(subset) != len(queries):
                 raise ValueError(f"`subset` has {len(subset)} lists for {len(queries)} queries")
@@ -301,7 +299,8 @@ class ExactIndex(_PyLateBase):
             # ordered by insertion, so that equal scores come in insertion order as for the whole corpus
             group = sorted(set(group), key=self._seq.__getitem__)
             documents = torch.nn.utils.rnn.pad_sequence(self._documents(group), batch_first=True).to(device)
-            scores = flash_pylate.colbert_scores(query[None].to(device), documents)[0]
+            # zero-padded and no mask: the padding counts as similarity 0, as in rank.rerank's colbert_scores
+            scores = flash_maxsim.maxsim(query.to(device), documents)
             values, order = torch.sort(scores, descending=True, stable=True)
             out.append([_RerankResult(id=group[j], score=s)
                         for j, s in zip(order[:k].tolist(), values[:k].cpu().tolist())])
