@@ -63,3 +63,16 @@ def test_scores_from_packs_compare_as_the_whole_corpus_does(beir_with_cache, tmp
         rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", *scores[:-1]])     # last missing
     with pytest.raises(SystemExit, match="the next piece starts"):
         rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", scores[0], *scores[2:]])
+
+
+def test_pylate_index_check_on_cached_embeddings(beir_with_cache, tmp_path):
+    """--pylate-index: PyLate's retriever on ExactIndex against PyLate's exhaustive rerank, from the cache."""
+    pytest.importorskip("pylate")
+    folder, cache = beir_with_cache
+    out = tmp_path / "pylate.json"
+    assert rf.main(["--pylate-index", "--data", str(folder), "--cache", str(cache), "--device", "cpu",
+                    "--pylate-k", "5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["documents"] == 7 and result["queries"] == 3 and result["k"] == 5
+    assert result["identical"] + result["identical_up_to_equal_scores"] == 3 and result["differing"] == 0
+    assert result["max_abs_score_difference"] < 1e-4
