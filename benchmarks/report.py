@@ -8,10 +8,11 @@
     python benchmarks/report.py merge-search A.json B.json --out benchmarks/results/search-h200.json
 
 ``page`` writes one section per results JSON (one per GPU: benchmarks/results/h200.json and h100.json by default),
-each with its tables and PNG plots, after the method text kept here in :data:`PAGE_INTRO`; a search section from
-``search_bench.py``'s runs (benchmarks/results/search-<gpu>.json, method text in :data:`SEARCH_INTRO`) and the
-retrievers' quality (``retrieval_fidelity.py --retrievers``, search-quality*.json); and a retrieval fidelity table
-from ``retrieval_fidelity.py``'s JSON files. Everything on the page comes from the JSON, so a
+each with its tables and PNG plots, after the method text kept here in :data:`PAGE_INTRO`; a CPU section from
+``cpu_bench.py``'s JSON (benchmarks/results/cpu.json), with its plot; a search section from ``search_bench.py``'s
+runs (benchmarks/results/search-<gpu>.json, method text in :data:`SEARCH_INTRO`) and the retrievers' quality
+(``retrieval_fidelity.py --retrievers``, search-quality*.json); and a retrieval fidelity table from
+``retrieval_fidelity.py``'s JSON files. Everything on the page comes from the JSON, so a
 page is regenerated, never edited. The per-run tables (``tables``, and bench.py's results.md) also show the
 design targets each row was tuned against; the page does not.
 
@@ -801,6 +802,135 @@ def make_plots(res: dict, out_dir: Path, prefix: str = "") -> dict:
     return written
 
 
+# ------------------------------------------------------------------------------------------------ CPU section
+
+CPU_TITLE = "CPU"
+CPU_OURS, CPU_EAGER = "flash_maxsim", "eager"
+CPU_PEER_COLORS = ("C2", "C8", "C9", "C4", "C5")
+
+CPU_INTRO = """\
+How fast `flash_maxsim.maxsim` scores and trains on CPU tensors (an exact blocked PyTorch path, not the GPU
+kernels), next to eager PyTorch and the native CPU implementations of MaxSim: one run of
+`benchmarks/cpu_bench.py`. `flash-maxsim check` on a CPU runs two of its rows (1x1k and train-B32) in short form.
+"""
+
+
+def _cpu_impls(cpu: dict) -> list[str]:
+    """The implementations of a CPU run in column order: eager, flash_maxsim, then the peers as first met."""
+    names = [CPU_EAGER, CPU_OURS]
+    for row in cpu["rows"]:
+        names += [k for k in row["ms"] if k not in names]
+    return names
+
+
+def _cpu_label(cpu: dict, key: str) -> str:
+    version = (cpu["machine"].get("peers") or {}).get(key)
+    return f"{key} {version}" if version else key
+
+
+def _cpu_peers(cpu: dict) -> list[str]:
+    return [k for k in _cpu_impls(cpu) if k not in (CPU_EAGER, CPU_OURS)]
+
+
+def cpu_header(cpu: dict) -> list[str]:
+    """The run's machine, threads and load, what runs in each column, and the method."""
+    m = cpu["machine"]
+    rounds = sorted({r["rounds"] for r in cpu["rows"]})
+    peers = _cpu_peers(cpu)
+    load = ""
+    if cpu.get("load_before") and cpu.get("load_after"):
+        load = (f"; load average (1 min) {cpu['load_before'][0]:.2f} before the run, {cpu['load_after'][0]:.2f} "
+                "after it")
+    peer_text = (f"; peers {', '.join(_cpu_label(cpu, k) for k in peers)} with their thread pool on "
+                 f"{m.get('peer_threads', 'all cores')}" if peers else "; no peer installed")
+    out = [f"Run of {cpu['date']} on **{m.get('model') or m.get('processor', '?')}, {m['cpus']} logical CPUs** "
+           f"({m['platform']}): torch {m['torch']} with **{m['torch_threads']} intra-op threads**, Python "
+           f"{m['python']}{peer_text}{load}.", ""]
+    rows = [["eager", '`torch.einsum("qid,bjd->qbij", Q, D).amax(-1).sum(-1)` in fp32: colpali-engine\'s scoring, '
+                      "PyLate's without masks"],
+            ["flash_maxsim", "`flash_maxsim.maxsim(Q, D)` on CPU tensors (this project)"]]
+    if peers:
+        rows.append([" / ".join(_cpu_label(cpu, k) for k in peers),
+                     "Rust SIMD extensions from PyPI: `maxsim_scores(query [Lq, d], documents [B, Ld, d])` on numpy "
+                     "arrays sharing the tensors' memory, one call per query; scoring only (no backward)"])
+    out += _table(["column", "what runs"], rows) + [""]
+    diffs = {}
+    for row in cpu["rows"]:
+        for k, v in row["max_abs_diff_vs_eager"].items():
+            if k != CPU_EAGER:
+                diffs[k] = max(diffs.get(k, 0.0), v)
+    agreement = ", ".join(f"{_cpu_label(cpu, k)} {v:.1e}" for k, v in diffs.items())
+    out += [f"Method: fp32 inputs, d = 128, random L2-normalised tokens, no masks. Each round runs every "
+            f"implementation of a row once, in an order rotated from round to round; the tables give the median of "
+            f"{'/'.join(map(str, rounds))} rounds and its ratio to eager's median (÷ eager: below 1 is faster than "
+            "eager), so that a machine's load slows every implementation alike. The training step is scores, "
+            "cross-entropy over the in-batch scores and the backward to queries and documents. Peak memory is the "
+            "resident-set high-water mark during one call above the resident set before it (Linux "
+            "`/proc/self/clear_refs`; glibc made to return freed memory first), outputs included. Every "
+            "implementation's scores (a step's loss and gradients) are compared with eager's in the same run; "
+            f"largest absolute difference: {agreement}.", ""]
+    return out
+
+
+def cpu_time_table(cpu: dict) -> list[str]:
+    impls = _cpu_impls(cpu)
+    head = ["row", "shape"] + [_cpu_label(cpu, k) for k in impls] + ["ours / best peer"]
+    body = []
+    for row in cpu["rows"]:
+        cells = [row["row"], row["shape"]]
+        for k in impls:
+            if k not in row["ms"]:
+                cells.append("–")
+            elif k == CPU_EAGER:
+                cells.append(_fmt_ms(row["ms"][k]))
+            else:
+                cells.append(f"{_fmt_ms(row['ms'][k])} ({row['vs_eager'][k]:.2f})")
+        best = row.get("flash_vs_best_peer")
+        cells.append("–" if best is None else f"{best:.2f}")
+        body.append(cells)
+    return _table(head, body)
+
+
+def cpu_memory_table(cpu: dict) -> list[str]:
+    impls = _cpu_impls(cpu)
+    body = []
+    for row in cpu["rows"]:
+        peak = row.get("peak_mib") or {}
+        body.append([row["row"]] + [_fmt_mb(peak.get(k)) if k in row["ms"] else "–" for k in impls])
+    return _table(["row"] + [_cpu_label(cpu, k) for k in impls], body)
+
+
+def plot_cpu(cpu: dict, path: Path, plt) -> bool:
+    """Each implementation's time relative to eager's, per row, with eager at 1."""
+    rows = [r for r in cpu.get("rows") or [] if r.get("vs_eager")]
+    if not rows:
+        return False
+    keys = [k for k in _cpu_impls(cpu) if k != CPU_EAGER]
+    colors = {CPU_OURS: COLORS["ours"], **dict(zip(_cpu_peers(cpu), CPU_PEER_COLORS))}
+    series = [(_cpu_label(cpu, k), colors[k], [r["vs_eager"].get(k) for r in rows]) for k in keys]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.8))
+    _grouped_bars(ax, [r["row"] for r in rows], series, log_x=False)
+    ax.axvline(1.0, color=COLORS["eager"], linewidth=2, label="eager einsum (1.0)")
+    ax.set_xlim(0, max(1.1, 1.05 * max(v for _, _, vals in series for v in vals if v is not None)))
+    ax.set_xlabel("time ÷ eager's time: bars left of the line are faster than eager")
+    _legend_below(ax)
+    m = cpu["machine"]
+    ax.set_title(f"CPU, {m.get('model') or m.get('processor', '?')}, {m['torch_threads']} threads: "
+                 "time relative to eager PyTorch")
+    return _save(fig, path, plt)
+
+
+def render_cpu(cpu: dict, plot: Optional[str] = None, level: int = 3) -> str:
+    """The CPU section's body (below its heading): intro, machine and method, the plot, time and memory tables."""
+    h = "#" * level
+    out = [CPU_INTRO] + cpu_header(cpu)
+    out += [f"{h} CPU: time (ms, median; ÷ eager's in brackets)", ""]
+    out += ([f"![CPU time relative to eager]({plot})", ""] if plot else []) + cpu_time_table(cpu) + [""]
+    out += [f"{h} CPU: peak memory above the call's start (MiB, outputs included)", ""]
+    out += cpu_memory_table(cpu) + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
 # --------------------------------------------------------------------------------------------- fidelity table
 
 def fidelity_table(reports: list[dict]) -> list[str]:
@@ -1296,19 +1426,23 @@ def _anchor(title: str) -> str:
 
 
 def render_page(runs: list[dict], fidelity: list[dict], page: Path, plots_dir: Optional[Path],
-                search: Optional[list[dict]] = None, quality: Optional[list[dict]] = None) -> str:
-    """The documentation page: intro and method, one section per run (GPU) with its tables and plots, the
-    search section (one part per search run, then the retrieval-quality table), the retrieval fidelity table.
-    Plots are drawn into ``plots_dir`` (None: no plots)."""
+                cpu: Optional[dict] = None, search: Optional[list[dict]] = None,
+                quality: Optional[list[dict]] = None) -> str:
+    """The documentation page: intro and method, one section per run (GPU) with its tables and plots, the CPU
+    section (``cpu``: cpu_bench.py's JSON, or None), the search section (one part per search_bench.py run, then
+    the retrieval-quality table), the retrieval fidelity table. Plots are drawn into ``plots_dir`` (None: no
+    plots)."""
     taken: set = set()
     search, quality = search or [], [q for q in quality or [] if any(r.get("retrievers") for r in q["results"])]
     titles = [r["meta"]["device"] for r in runs]
-    contents = " · ".join(f"[{t}](#{_anchor(t)})" for t in titles)
+    links = [f"[{t}](#{_anchor(t)})" for t in titles]
+    if cpu:
+        links.append(f"[{CPU_TITLE}](#{_anchor(CPU_TITLE)})")
     if search or quality:
-        contents += " · [Search](#search)"
+        links.append("[Search](#search)")
     if fidelity:
-        contents += " · [Retrieval fidelity](#retrieval-fidelity)"
-    out = [PAGE_INTRO.format(contents=contents)]
+        links.append("[Retrieval fidelity](#retrieval-fidelity)")
+    out = [PAGE_INTRO.format(contents=" · ".join(links))]
 
     def rel_plots(written):
         rel = os.path.relpath(plots_dir.resolve(), page.resolve().parent).replace(os.sep, "/")
@@ -1319,6 +1453,16 @@ def render_page(runs: list[dict], fidelity: list[dict], page: Path, plots_dir: O
         if plots_dir is not None:
             plots = rel_plots(make_plots(res, plots_dir, prefix=gpu_slug(title, taken) + "-"))
         out += [f"## {title}", "", render_run(res, plots, level=3, targets=False)]
+    if cpu:
+        plot = None
+        if plots_dir is not None:
+            plt = _pyplot()
+            path = plots_dir / "cpu-time.png"
+            if plt is not None:
+                plots_dir.mkdir(parents=True, exist_ok=True)
+                if plot_cpu(cpu, path, plt):
+                    plot = os.path.relpath(path.resolve(), page.resolve().parent).replace(os.sep, "/")
+        out += [f"## {CPU_TITLE}", "", render_cpu(cpu, plot, level=3)]
     if search or quality:
         out += [SEARCH_INTRO]
     for res in search:
@@ -1351,6 +1495,9 @@ def main(argv=None) -> int:
     pg.add_argument("--fidelity", nargs="*", type=Path,
                     default=[HERE / "results" / "fidelity-cpu.json", HERE / "results" / "fidelity-gpu.json"],
                     help="retrieval_fidelity.py reports for the fidelity table ('--fidelity' alone: none)")
+    pg.add_argument("--cpu", type=Path, default=HERE / "results" / "cpu.json",
+                    help="cpu_bench.py's results for the CPU section (default: benchmarks/results/cpu.json)")
+    pg.add_argument("--no-cpu", action="store_true", help="leave the CPU section out")
     pg.add_argument("--search", nargs="*", type=Path, default=None,
                     help="search_bench.py results, one per GPU (default: benchmarks/results/search-*.json but the "
                          "quality files; '--search' alone: none)")
@@ -1376,6 +1523,7 @@ def main(argv=None) -> int:
     if args.command == "page":
         runs = [_load(path) for path in args.runs]
         fidelity = [_load(path) for path in args.fidelity or []]
+        cpu = None if args.no_cpu else _load(args.cpu)
         results = HERE / "results"
         if args.search is None:
             args.search = sorted(p for p in results.glob("search-*.json") if not p.name.startswith("search-quality"))
@@ -1384,7 +1532,7 @@ def main(argv=None) -> int:
         search = [_load(path) for path in args.search]
         quality = [_load(path) for path in args.search_quality]
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render_page(runs, fidelity, args.out, None if args.no_plots else args.plots,
+        args.out.write_text(render_page(runs, fidelity, args.out, None if args.no_plots else args.plots, cpu,
                                         search=search, quality=quality))
         log.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
     elif args.command == "tables":

@@ -17,6 +17,10 @@ plus a manifest; a later run (e.g. on a GPU machine without the model) reuses it
 the model. Both scorers read the same stored values. ``--skiplist-demo`` adds a measurement of what turning
 skiplist masks into lengths (PyLate's own "flash" backend) changes, emulated on the CPU.
 
+``--pylate-index`` instead checks PyLate's retriever end to end: ``pylate.retrieve.ColBERT`` on
+``flash_maxsim.integrations.pylate.ExactIndex`` against PyLate's exhaustive ``rank.rerank`` over the whole corpus,
+on the same cached embeddings (``--pylate-k`` results per query, ``--pylate-storage``).
+
 To score on another machine (a GPU host without PyLate, the model or room for the whole cache):
 ``--export-packs DIR --pack-mib N`` splits the cache into packs of whole documents, ``--score-pack DIR/pack-NNN
 --out S.pt`` scores one pack there with every scorer, and ``--device-scores S.pt ...`` brings those scores back
@@ -478,6 +482,54 @@ def run_retrievers(names: Sequence[str], queries: torch.Tensor, documents: flash
     return out
 
 
+# -------------------------------------------------------------------------------------- PyLate's retriever
+
+def pylate_index_dataset(folder: Path, args) -> dict:
+    """``pylate.retrieve.ColBERT(index=flash_maxsim's ExactIndex)`` against PyLate's exhaustive
+    ``rank.rerank`` (every document a candidate of every query) on the cached embeddings (float32 of the stored
+    float16 values, as the model's ``encode`` would hand them over): per query, the top ``--pylate-k`` ids
+    identical, identical up to the order of exactly equal scores, or different; and the largest score difference."""
+    from pylate import rank, retrieve
+
+    from flash_maxsim.integrations.pylate import ExactIndex
+
+    doc_ids, query_ids, _, queries, values, lengths, cached, manifest = cached_embeddings(folder, args)
+    documents = list(torch.split(values.float(), lengths.tolist()))
+    queries = [q.float() for q in queries]
+    k = min(args.pylate_k, len(doc_ids))
+    start = time.perf_counter()
+    index = ExactIndex(storage=args.pylate_storage, placement=args.device)
+    index.add_documents(doc_ids, documents, batch_size=1000)
+    added = time.perf_counter() - start
+    start = time.perf_counter()
+    got = retrieve.ColBERT(index=index).retrieve(queries, k=k)
+    retrieved = time.perf_counter() - start
+    identical, tie_only, differing, max_diff, rerank_seconds = 0, 0, [], 0.0, 0.0
+    for qid, query, row in zip(query_ids, queries, got):
+        start = time.perf_counter()
+        full = rank.rerank([doc_ids], [query], [documents], device=args.device)[0]   # one query at a time
+        rerank_seconds += time.perf_counter() - start
+        want = full[:k]
+        max_diff = max(max_diff, max(abs(a["score"] - b["score"]) for a, b in zip(row, want)))
+        if [r["id"] for r in row] == [r["id"] for r in want]:
+            identical += 1
+            continue
+        # the same documents for every score (PyLate's sort orders equal scores arbitrarily)?
+        by_score = {}
+        for r in full:
+            by_score.setdefault(r["score"], set()).add(r["id"])
+        if [r["score"] for r in row] == [r["score"] for r in want] and \
+                all(r["id"] in by_score[r["score"]] for r in row):
+            tie_only += 1
+        else:
+            differing.append(qid)
+    return {"dataset": folder.name, "documents": len(doc_ids), "queries": len(query_ids), "k": k,
+            "storage": args.pylate_storage, "cache": str(cached), "encoder": manifest.get("encoder"),
+            "identical": identical, "identical_up_to_equal_scores": tie_only, "differing": len(differing),
+            "differing_queries": differing, "max_abs_score_difference": max_diff,
+            "seconds": {"add_documents": added, "retrieve": retrieved, "exhaustive_rerank": rerank_seconds}}
+
+
 # ------------------------------------------------------------------------------------------- skiplist demo
 
 def skiplist_demo(model_path: str, seed: int, query_texts: Sequence[str], doc_texts: Sequence[str],
@@ -534,7 +586,9 @@ def requery(cached: Path, manifest: dict, query_texts, doc_texts, values, length
     return queries.half()
 
 
-def run_dataset(folder: Path, args) -> dict:
+def cached_embeddings(folder: Path, args):
+    """The BEIR folder's data and its cached token embeddings (encoded first when no cache holds them):
+    ``(doc_ids, query_ids, qrels, queries [Nq, Lq, d], values [tokens, d], lengths [B], cache folder, manifest)``."""
     dataset = folder.name
     doc_ids, doc_texts, query_ids, query_texts, qrels = load_beir(folder)
     data_digest = file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
@@ -560,6 +614,12 @@ def run_dataset(folder: Path, args) -> dict:
     if manifest["documents"] != len(doc_ids) or manifest["queries"] != len(query_ids):
         raise ValueError(f"{cached}: cache holds {manifest['documents']} documents / {manifest['queries']} "
                          f"queries; the data has {len(doc_ids)} / {len(query_ids)} (pass --reencode)")
+    return doc_ids, query_ids, qrels, queries, values, lengths, cached, manifest
+
+
+def run_dataset(folder: Path, args) -> dict:
+    dataset = folder.name
+    doc_ids, query_ids, qrels, queries, values, lengths, cached, manifest = cached_embeddings(folder, args)
     queries, documents = scoring_inputs(queries, values, lengths, args)
 
     exact, reference_seconds = score_corpus(reference_scorer, queries, documents, args.device)
@@ -583,6 +643,7 @@ def run_dataset(folder: Path, args) -> dict:
         result["retrievers"] = run_retrievers(args.retrievers, queries, documents, exact, doc_ids, query_ids, qrels,
                                               args.device)
     if args.skiplist_demo:
+        _, doc_texts, _, query_texts, _ = load_beir(folder)
         result["skiplist_lengths_emulation"] = skiplist_demo(args.model or default_model_path(), args.seed,
                                                               query_texts, doc_texts, args.device)
     return result
@@ -630,6 +691,32 @@ def markdown(results: List[dict], args) -> str:
     return "\n".join(lines)
 
 
+def pylate_index_report(args) -> int:
+    """``--pylate-index``: the retriever against exhaustive rerank on every ``--data`` folder; prints a table and
+    the verdict, writes ``--out``."""
+    import pylate
+
+    results = [pylate_index_dataset(Path(folder), args) for folder in args.data]
+    lines = [f"PyLate {pylate.__version__} retrieve.ColBERT on flash_maxsim's ExactIndex ({args.pylate_storage}, "
+             f"{args.device}) vs exhaustive rank.rerank, top {results[0]['k']}", "",
+             "| dataset | documents | queries | identical | identical up to equal scores | differing "
+             "| max abs score diff | retrieve s | rerank s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['dataset']} | {r['documents']} | {r['queries']} | {r['identical']} | "
+                     f"{r['identical_up_to_equal_scores']} | {r['differing']} | {r['max_abs_score_difference']:.2e} "
+                     f"| {r['seconds']['retrieve']:.1f} | {r['seconds']['exhaustive_rerank']:.1f} |")
+    print("\n".join(lines))
+    report = {"flash_maxsim": flash_maxsim.__version__, "torch": torch.__version__, "pylate": pylate.__version__,
+              "device": args.device, "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else platform.processor(), "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    ok = all(r["differing"] == 0 for r in results)
+    print(f"identical rankings (up to the order of equal scores): {ok}")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", action="append", default=[], help="a BEIR folder (repeatable)")
@@ -657,7 +744,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device-scores", nargs="+", metavar="FILE",
                         help="take the scorers' scores from these --score-pack files (the reference is computed "
                         "here)")
+    parser.add_argument("--pylate-index", action="store_true",
+                        help="instead: compare PyLate's retriever on flash_maxsim's ExactIndex with PyLate's "
+                        "exhaustive rank.rerank (needs PyLate)")
+    parser.add_argument("--pylate-k", type=int, default=100, help="results per query compared (--pylate-index)")
+    parser.add_argument("--pylate-storage", default="fp32", help="ExactIndex storage (--pylate-index)")
     args = parser.parse_args(argv)
+    if args.pylate_index:
+        if not args.data:
+            parser.error("--pylate-index needs --data")
+        return pylate_index_report(args)
     if args.export_packs:
         if not args.data:
             parser.error("--export-packs needs --data")

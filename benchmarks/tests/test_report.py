@@ -125,6 +125,32 @@ def quality():
          "retrievers": {"search": search, "plaid": plaid, "voyager": {"error": "ImportError: no voyager"}}}]}
 
 
+@pytest.fixture
+def cpu():
+    """cpu_bench.py's JSON: a scoring row with two peers and a training step (no peer has a backward)."""
+    def row(name, shape, train, ms, peak, diff):
+        best = None if train else round(ms["flash_maxsim"] / min(v for k, v in ms.items()
+                                                                   if k not in ("eager", "flash_maxsim")), 3)
+        return {"row": name, "shape": shape, "Nq": 1, "B": 1000, "Lq": 32, "Ld": 300, "d": 128, "train": train,
+                "rounds": 5, "ms": ms, "vs_eager": {k: round(v / ms["eager"], 3) for k, v in ms.items()},
+                "flash_vs_best_peer": best, "peak_mib": peak, "max_abs_diff_vs_eager": diff}
+
+    return {
+        "date": "2030-01-02T03:04:05",
+        "machine": {"platform": "Linux-9.9-x86_64", "processor": "x86_64", "cpus": 4, "torch": "2.99.0+cpu",
+                    "torch_threads": 3, "python": "3.12.1", "model": "Test CPU 7", "peers": {"rust-a": "1.2.3",
+                    "rust-b": "0.4.0"}, "peer_threads": "all cores"},
+        "load_before": [0.25, 0.5, 0.5], "load_after": [1.5, 1.0, 0.75],
+        "rows": [row("1x1k", "1 x 1000 docs, 32 x 300, d=128, fp32, scoring", False,
+                     {"eager": 80.0, "flash_maxsim": 40.0, "rust-a": 50.0, "rust-b": 44.0},
+                     {"eager": 36.6, "flash_maxsim": 18.2, "rust-a": 0.0, "rust-b": 0.1},
+                     {"eager": 0.0, "flash_maxsim": 0.0, "rust-a": 2.4e-06, "rust-b": 1.2e-06}),
+                 row("train-B32", "32 x 32 docs, 32 x 300, d=128, fp32, in-batch training step", True,
+                     {"eager": 150.0, "flash_maxsim": 45.0}, {"eager": 122.4, "flash_maxsim": 19.1},
+                     {"eager": 0.0, "flash_maxsim": 3.7e-09})],
+    }
+
+
 def _row(text: str, first_cell: str, table_heading: str) -> str:
     """The line of the table under ``table_heading`` whose first cell is ``first_cell``."""
     section = text.split(table_heading, 1)[1]
@@ -159,6 +185,53 @@ def test_page_tables_hold_the_runs_numbers(run, fidelity, tmp_path):
     assert "met?" not in page and "target ms" not in page
 
 
+def test_page_cpu_section_holds_the_cpu_runs_numbers(run, fidelity, cpu, tmp_path):
+    page = report.render_page([run], [fidelity], tmp_path / "benchmarks.md", plots_dir=None, cpu=cpu)
+    assert "· [CPU](#cpu) · [Retrieval fidelity](#retrieval-fidelity)" in page
+    assert page.index("## Test GPU 9000") < page.index("\n## CPU\n") < page.index("## Retrieval fidelity")
+    section = page.split("\n## CPU\n", 1)[1].split("## Retrieval fidelity", 1)[0]
+    # the machine, threads and load; what runs; the method with its rounds and the agreement with eager
+    assert "on **Test CPU 7, 4 logical CPUs** (Linux-9.9-x86_64): torch 2.99.0+cpu with **3 intra-op threads**" \
+        in section
+    assert "peers rust-a 1.2.3, rust-b 0.4.0 with their thread pool on all cores" in section
+    assert "load average (1 min) 0.25 before the run, 1.50 after it" in section
+    assert "| rust-a 1.2.3 / rust-b 0.4.0 | Rust SIMD extensions" in section
+    assert "the median of 5 rounds and its ratio to eager's median" in section
+    assert "largest absolute difference: flash_maxsim 3.7e-09, rust-a 1.2.3 2.4e-06, rust-b 0.4.0 1.2e-06." in section
+    # time: eager's ms, the others' ms (÷ eager), ours / best peer; the training row has no peer
+    head = _row(section, "row", "### CPU: time")
+    assert head == "| row | shape | eager | flash_maxsim | rust-a 1.2.3 | rust-b 0.4.0 | ours / best peer |"
+    assert _row(section, "1x1k", "### CPU: time") == ("| 1x1k | 1 x 1000 docs, 32 x 300, d=128, fp32, scoring | "
+                                                      "80.0 | 40.0 (0.50) | 50.0 (0.62) | 44.0 (0.55) | 0.91 |")
+    assert _row(section, "train-B32", "### CPU: time") == ("| train-B32 | 32 x 32 docs, 32 x 300, d=128, fp32, "
+                                                           "in-batch training step | 150.0 | 45.0 (0.30) | – | – | – |")
+    # peak memory
+    assert _row(section, "1x1k", "### CPU: peak memory") == "| 1x1k | 37 | 18 | 0.0 | 0.1 |"
+    assert _row(section, "train-B32", "### CPU: peak memory") == "| train-B32 | 122 | 19 | – | – |"
+    assert "![" not in section                               # no plots asked for
+
+
+def test_page_cpu_section_without_peers(cpu, tmp_path):
+    cpu["machine"]["peers"] = {}
+    for r in cpu["rows"]:
+        for field in ("ms", "vs_eager", "peak_mib", "max_abs_diff_vs_eager"):
+            r[field] = {k: v for k, v in r[field].items() if k in ("eager", "flash_maxsim")}
+        r["flash_vs_best_peer"] = None
+    page = report.render_page([], [], tmp_path / "benchmarks.md", plots_dir=None, cpu=cpu)
+    assert "Sections: [CPU](#cpu)\n" in page and "; no peer installed;" in page
+    assert _row(page, "1x1k", "### CPU: time") == \
+        "| 1x1k | 1 x 1000 docs, 32 x 300, d=128, fp32, scoring | 80.0 | 40.0 (0.50) | – |"
+    assert "Rust SIMD" not in page
+
+
+def test_page_cpu_section_only_adds(run, fidelity, cpu, tmp_path):
+    """The CPU section adds its link and its section; the rest of the page is unchanged."""
+    without = report.render_page([run], [fidelity], tmp_path / "benchmarks.md", plots_dir=None)
+    with_cpu = report.render_page([run], [fidelity], tmp_path / "benchmarks.md", plots_dir=None, cpu=cpu)
+    start, end = with_cpu.index("## CPU\n"), with_cpu.index("## Retrieval fidelity")
+    assert with_cpu[:start].replace(" · [CPU](#cpu)", "", 1) + with_cpu[end:] == without
+
+
 def test_run_tables_show_the_design_targets(run):
     tables = report.render_run(run)
     assert _row(tables, "1x1k, 32x300", "### Forward: time").endswith("| ≤ 0.035 | no (target) |")
@@ -180,27 +253,36 @@ def test_merged_runs_take_later_sections(run):
     assert "merged_runs" not in run["meta"]
 
 
-def test_page_command_writes_the_page_and_its_plots(run, fidelity, search_run, quality, tmp_path):
+def test_page_command_writes_the_page_and_its_plots(run, fidelity, cpu, search_run, quality, tmp_path):
     pytest.importorskip("matplotlib")
-    results, fid = tmp_path / "gpu.json", tmp_path / "fidelity.json"
+    results, fid, cpu_results = tmp_path / "gpu.json", tmp_path / "fidelity.json", tmp_path / "cpu.json"
     searched, judged = tmp_path / "search-test.json", tmp_path / "search-quality.json"
     results.write_text(json.dumps(run))
     fid.write_text(json.dumps(fidelity))
+    cpu_results.write_text(json.dumps(cpu))
     searched.write_text(json.dumps(search_run))
     judged.write_text(json.dumps(quality))
     page, plots = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks"
-    assert report.main(["page", str(results), "--fidelity", str(fid), "--search", str(searched),
-                        "--search-quality", str(judged), "--out", str(page), "--plots", str(plots)]) == 0
-    assert sorted(p.name for p in plots.iterdir()) == ["test-2-search.png", "test-compressed.png",
+    assert report.main(["page", str(results), "--fidelity", str(fid), "--cpu", str(cpu_results), "--search",
+                        str(searched), "--search-quality", str(judged), "--out", str(page), "--plots",
+                        str(plots)]) == 0
+    assert sorted(p.name for p in plots.iterdir()) == ["cpu-time.png", "test-2-search.png", "test-compressed.png",
                                                        "test-forward.png", "test-training.png"]
     text = page.read_text()
-    for name in ("test-forward.png", "test-training.png", "test-compressed.png", "test-2-search.png"):
+    for name in ("test-forward.png", "test-training.png", "test-compressed.png", "cpu-time.png",
+                 "test-2-search.png"):
         assert f"](benchmarks/{name})" in text
         assert (plots / name).stat().st_size > 10_000
-    # without search files the page has no search section
-    assert report.main(["page", str(results), "--fidelity", "--search", "--search-quality", "--out", str(page),
-                        "--no-plots"]) == 0
-    assert "## Search" not in page.read_text()
+    assert text.index("### CPU: time") < text.index("](benchmarks/cpu-time.png)") < text.index("| 1x1k |")
+    assert text.index("## CPU") < text.index("## Search") < text.index("## Retrieval fidelity")
+    # --no-cpu: no CPU section, no CPU plot; no search files: no search section
+    for png in plots.iterdir():
+        png.unlink()
+    assert report.main(["page", str(results), "--fidelity", str(fid), "--no-cpu", "--search", "--search-quality",
+                        "--out", str(page), "--plots", str(plots)]) == 0
+    text = page.read_text()
+    assert "## CPU" not in text and not (plots / "cpu-time.png").exists()
+    assert "## Search" not in text and not (plots / "test-2-search.png").exists()
 
 
 def test_search_section_holds_the_runs_numbers(search_run, quality, tmp_path):

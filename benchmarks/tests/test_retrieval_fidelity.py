@@ -91,7 +91,7 @@ def test_compare_retrieved_counts_identical_rankings_and_recall():
     exhaustive = exact.clone()
     qrels = {"q0": {"d0": 1}, "q1": {"d1": 2}}
     ids = ["d0", "d1", "d2", "d3"]
-    # query 0: exhaustive's list; query 1: documents 3 and 1 swapped past the first two of the top-3... top-10 of 4
+    # query 0: exhaustive scoring's list; query 1: its last two documents swapped (it ranks [3, 2, 1, 0])
     got = [[0, 2, 1, 3], [3, 2, 0, 1]]
     r = rf.compare_retrieved(got, exhaustive, exact, ids, ["q0", "q1"], qrels)
     assert r["identical_to_exhaustive"] == 1 and r["recall@10"] == 1.0
@@ -99,3 +99,16 @@ def test_compare_retrieved_counts_identical_rankings_and_recall():
     # a retriever that misses documents loses recall
     short = rf.compare_retrieved([[0, 2], [3, 2]], exhaustive, exact, ids, ["q0", "q1"], qrels)
     assert short["recall@10"] == 0.5 and short["identical_to_exhaustive"] == 0
+
+
+def test_pylate_index_check_on_cached_embeddings(beir_with_cache, tmp_path):
+    """--pylate-index: PyLate's retriever on ExactIndex against PyLate's exhaustive rerank, from the cache."""
+    pytest.importorskip("pylate")
+    folder, cache = beir_with_cache
+    out = tmp_path / "pylate.json"
+    assert rf.main(["--pylate-index", "--data", str(folder), "--cache", str(cache), "--device", "cpu",
+                    "--pylate-k", "5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["documents"] == 7 and result["queries"] == 3 and result["k"] == 5
+    assert result["identical"] + result["identical_up_to_equal_scores"] == 3 and result["differing"] == 0
+    assert result["max_abs_score_difference"] < 1e-4

@@ -24,6 +24,7 @@ Loading validates every field a file from elsewhere can get wrong before any of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from ._layout import Problem, _check_document_list, _is_packed, _shape, canonicalize
 from ._search import RunningTopK, check_chunk_size, check_k, default_chunk_size, merge_top_k
-from ._types import SUPPORTED_DTYPES, PackedDocuments, offsets_longest, quantize_tokens
+from ._types import SUPPORTED_DTYPES, offsets_longest, quantize_tokens
 from .ops import scores as _scores
 
 __all__ = ["DocumentIndex", "IndexSearchResult", "STORAGES", "FORMAT", "VERSION", "MANIFEST"]
@@ -149,6 +150,7 @@ class _Shard:
         self.file: Optional[str] = None        # the file it is mapped from (disk placement), a path
         self.sha256: Optional[str] = None
         self.sealed = False
+        self.slot = 0                          # which of the placement's devices holds it
         self._cache: dict = {}
 
     @property
@@ -237,11 +239,11 @@ class _Shard:
             chunks.append((s, e))
             s = e
         lengths = self.lengths()
-        bounds = o.tolist()
+        bounds = o[torch.tensor([c[0] for c in chunks] + [n], dtype=torch.int64)].tolist()
         out = []
-        for s, e in chunks:
+        for i, (s, e) in enumerate(chunks):
             longest = int(lengths[s:e].max()) if e > s else 0
-            out.append((s, e, bounds[s], bounds[e], longest))
+            out.append((s, e, bounds[i], bounds[i + 1], longest))
         self._cache[key] = out
         return out
 
@@ -261,10 +263,17 @@ class _Shard:
             lengths = self.lengths()[~self.removed.data]
             offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
             offsets[1:] = lengths.cumsum(0)
-        tensors = {"offsets": offsets.contiguous().clone(), "values": values.to("cpu").contiguous().clone()}
+        tensors = {"offsets": _owned(offsets), "values": _owned(values)}
         if scales is not None:
-            tensors["scales"] = scales.to("cpu").contiguous().clone()
+            tensors["scales"] = _owned(scales)
         return tensors
+
+
+def _owned(t: Tensor) -> Tensor:
+    """``t`` on the CPU in a storage of its own (safetensors refuses views of a larger storage: a mapped file, a
+    shard's buffer)."""
+    t = t.to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 # ------------------------------------------------------------------------------------------- argument checks
@@ -341,8 +350,10 @@ def _parse_placement(placement, stream_device, path) -> tuple[str, list[torch.de
         if not placement:
             raise ValueError("`placement` is an empty list; expected one or more devices")
         devices = [_cuda_device(f"placement[{i}]", p) for i, p in enumerate(placement)]
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"`placement` lists a device twice: {list(map(str, devices))}")
+        gpus = [d for d in devices if d.type == "cuda"]
+        if len(set(gpus)) != len(gpus):
+            # the CPU may be listed more than once: slots scored one after the other (a test of the merge)
+            raise ValueError(f"`placement` lists a GPU twice: {list(map(str, devices))}")
         return "devices", devices, devices[0], False
     if placement == "cuda:all":
         if not _cuda_available():
@@ -652,6 +663,9 @@ class _Streamer:
             scales = [torch.empty(max(tokens, 1), dtype=first.scales.dtype, device=device) for _ in range(2)]
         copy_stream = torch.cuda.Stream(device)
         main = torch.cuda.current_stream(device)
+        for buffer in buffers + (scales or []):
+            # freed at the end: not reused before the side stream's last copy into it (a search stopped early)
+            buffer.record_stream(copy_stream)
         ready: list = [None] * n
         free: list = [None, None]            # the scoring that last read each buffer
         staged: list = [None, None]          # the copy that last read each staging buffer
@@ -796,17 +810,17 @@ class DocumentIndex:
         return self._dim * STORAGES[self._storage].itemsize + extra
 
     def _new_shard(self, append: bool = True) -> _Shard:
+        slot = 0
         if self._kind == "devices":
-            held = {d: 0 for d in self._devices}
+            held = [0] * len(self._devices)
             for s in self._shards:
-                held[s.device] += s.nbytes
-            device = min(self._devices, key=lambda d: held[d])
-            score = device
-        else:
-            device = self._devices[0]
-            score = self._score_device if self._kind in ("host", "disk") else device
+                held[s.slot] += s.nbytes
+            slot = min(range(len(held)), key=lambda i: held[i])
+        device = self._devices[slot]
+        score = self._score_device if self._kind in ("host", "disk") else device
         limit = max(1, self._shard_bytes // self._token_bytes())
         shard = _Shard(self._dim, self._storage, device, score, self._pin, limit)
+        shard.slot = slot
         if append:
             self._shards.append(shard)
         return shard
@@ -843,7 +857,8 @@ class DocumentIndex:
         """A disk index's shard written out and replaced by its memory-mapped file."""
         name, sha, documents, tokens = self._write_shard(shard, directory)
         live_ids = [i for i, r in zip(shard.ids, shard.removed.data.tolist()) if not r]
-        mapped = self._shard_from_file(os.path.join(directory, name), name, documents, tokens, live_ids, sha)
+        path = os.path.join(directory, name)
+        mapped = self._shard_from_file(path, path, documents, tokens, live_ids, sha)
         self._replace_shard(shard, mapped)
 
     def _shard_from_file(self, path: str, name: str, documents: int, tokens: int, ids: list, sha: str) -> _Shard:
@@ -880,6 +895,7 @@ class DocumentIndex:
         keep = shard.live_mask_tokens()
         fresh = _Shard(self._dim, self._storage, shard.device, shard.score_device, shard.pin,
                        shard.values.limit)
+        fresh.slot = shard.slot
         scales = None if shard.scales is None else shard.scales.data[keep.to(shard.device)]
         fresh.append(shard.values.data[keep.to(shard.device)], scales, shard.lengths()[keep_docs],
                      [i for i, k in zip(shard.ids, keep_docs.tolist()) if k])
@@ -921,6 +937,8 @@ class DocumentIndex:
             seen.add(value)
         if count == 0:
             return []
+        if not values.is_cuda and self._kind in ("cuda", "devices") and self._devices[0].type == "cuda":
+            values = values.to(self._devices[0])          # encoded where it is stored (one GPU of several)
         if self._storage in _SCALES:
             values, scales = quantize_tokens(values, self._storage, scale_dtype=_SCALES[self._storage])
         else:
@@ -1021,36 +1039,19 @@ class DocumentIndex:
         base = 0
         for shard in self._shards:
             if shard.live:
-                groups.setdefault(shard.score_device, []).append((shard, base))
+                groups.setdefault(shard.slot, []).append((shard, base))
             base += shard.live
         max_docs = chunk_size or default_chunk_size(Nq)
         streamed = self._kind in ("host", "disk")
         max_tokens = max(1, self._stream_bytes // self._token_bytes()) if streamed else None
         partial = []
         with torch.no_grad():
-            for device, members in groups.items():
-                p = self._queries(queries, queries_mask, device)
-                top = RunningTopK(Nq, kk, device)
-                chunks = [(shard, live_base, plan) for shard, live_base in members
-                          for plan in shard.plan(max_docs, max_tokens)]
-                if streamed and device.type == "cuda":
-                    streamer = _Streamer(device, self._staging)
-                    tensors = streamer.run([(shard, plan[2], plan[3]) for shard, _, plan in chunks])
-                else:
-                    tensors = ((shard.values.data[plan[2]:plan[3]],
-                                None if shard.scales is None else shard.scales.data[plan[2]:plan[3]])
-                               for shard, _, plan in chunks)
-                for (shard, live_base, (s, e, t0, t1, longest)), (values, scales) in zip(chunks, tensors):
-                    offsets = shard.device_offsets()[s:e + 1] - t0
-                    problem = Problem(p.queries, p.queries_mask, values, None, offsets, longest, 0, False, scales)
-                    out = _scores(problem, False, None)
-                    if shard.removed_count:
-                        excluded = shard.device_removed()[s:e]
-                        live = (e - s) - int(shard.removed.data[s:e].sum())
-                        top.push(out, shard.live_ranks()[s:e] + live_base, excluded, live)
-                    else:
-                        top.push(out, live_base + s)
-                partial.append((top.scores, top.positions))
+            for members in groups.values():
+                device = members[0][0].score_device
+                # the kernels launch on the current CUDA device: each device's shards are scored under it
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    partial.append(self._search_on(device, members, queries, queries_mask, Nq, kk, max_docs,
+                                                   max_tokens))
         out_device = probe.queries.device
         if not partial:
             scores = torch.zeros((Nq, 0), dtype=torch.float32, device=out_device)
@@ -1065,6 +1066,31 @@ class DocumentIndex:
         if probe.single_query:
             return IndexSearchResult(scores[0], ids[0], positions[0])
         return IndexSearchResult(scores, ids, positions)
+
+    def _search_on(self, device: torch.device, members: list, queries: Tensor, queries_mask, Nq: int, k: int,
+                   max_docs: int, max_tokens: Optional[int]) -> tuple[Tensor, Tensor]:
+        """The top k of the shards ``members`` (``(shard, live documents before it)``, in insertion order), all
+        scored on ``device``: ``(scores, positions)`` there."""
+        p = self._queries(queries, queries_mask, device)
+        top = RunningTopK(Nq, k, device)
+        chunks = [(shard, live_base, plan) for shard, live_base in members
+                  for plan in shard.plan(max_docs, max_tokens)]
+        if max_tokens is not None and device.type == "cuda":
+            tensors = _Streamer(device, self._staging).run([(shard, plan[2], plan[3]) for shard, _, plan in chunks])
+        else:
+            tensors = ((shard.values.data[plan[2]:plan[3]],
+                        None if shard.scales is None else shard.scales.data[plan[2]:plan[3]])
+                       for shard, _, plan in chunks)
+        for (shard, live_base, (s, e, t0, t1, longest)), (values, scales) in zip(chunks, tensors):
+            offsets = shard.device_offsets()[s:e + 1] - t0
+            problem = Problem(p.queries, p.queries_mask, values, None, offsets, longest, 0, False, scales)
+            out = _scores(problem, False, None)
+            if shard.removed_count:
+                live = (e - s) - int(shard.removed.data[s:e].sum())      # a host count: no read of the device
+                top.push(out, shard.live_ranks()[s:e] + live_base, shard.device_removed()[s:e], live)
+            else:
+                top.push(out, live_base + s)
+        return top.scores, top.positions
 
     # --- save / load
     def save(self, directory: Union[str, os.PathLike]) -> None:
@@ -1132,12 +1158,12 @@ class DocumentIndex:
             name = entry["file"]
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
-                raise ValueError(f"{name}: the shard file listed in the manifest is missing")
-            mapped = index._shard_from_file(path, name, entry["documents"], entry["tokens"],
+                raise ValueError(f"{path}: the shard file listed in the manifest is missing")
+            mapped = index._shard_from_file(path, path, entry["documents"], entry["tokens"],
                                             ids[start:start + entry["documents"]], entry["sha256"])
             start += entry["documents"]
             if verify and _sha256(path) != entry["sha256"]:
-                raise ValueError(f"{name}: `sha256` does not match the file's contents (damaged, truncated or "
+                raise ValueError(f"{path}: `sha256` does not match the file's contents (damaged, truncated or "
                                  "altered after it was written)")
             if mapped.count == 0:
                 continue

@@ -18,7 +18,7 @@ from typing import Iterator, Literal, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._layout import (Problem, _check_document_list, _is_packed, _shape, canonicalize, remember_offsets)
+from ._layout import Problem, _check_document_list, _is_packed, _shape, canonicalize, remember_offsets
 from ._types import Documents, DocumentsMask, QuantizedDocuments
 from .ops import scores as _scores
 
@@ -299,8 +299,8 @@ def search(queries: Tensor, documents: Union[Documents, QuantizedDocuments], k: 
             per query, indices into K.
         k: how many documents per query, an int >= 1; ``k' = min(k, number of documents)`` are returned.
         chunk_size: documents scored per chunk (candidates per query for ``[Nq, K, Ld, d]``); default
-            ``max(1, 2**22 // Nq)``. Results do not depend on it (up to the last bits of the scores, which
-            depend on the chunk's shape on the GPU as ``maxsim``'s do).
+            ``max(1, 2**22 // Nq)``. Results do not depend on it, up to the last bits of the scores, which depend
+            on the chunk's shape as ``maxsim``'s depend on the problem's.
 
     Returns:
         :class:`SearchResult` ``(scores [Nq, k'] float32, indices [Nq, k'] int64)`` (``[k']`` each for a
@@ -310,7 +310,8 @@ def search(queries: Tensor, documents: Union[Documents, QuantizedDocuments], k: 
         autograd).
 
     Memory: O(Nq x k) for the result, plus per chunk the ``Nq x chunk`` fp32 scores and their selection keys
-    (~25 bytes a score in all), and the kernels' scratch for ``chunk`` columns (docs/semantics.md, "Memory"); never O(Nq x B).
+    (~25 bytes a score in all), and the kernels' scratch for ``chunk`` columns (docs/semantics.md, "Memory");
+    never O(Nq x B).
     Packed and quantised documents are chunked by views, without copying the corpus; a list is packed one chunk at
     a time; candidates are copied chunk by chunk when a chunk is narrower than K.
     """

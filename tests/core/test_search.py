@@ -3,6 +3,8 @@ layout, mask and mode, chunked in any way; exact ties (integer-valued embeddings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_maxsim as fm
 from flash_maxsim import _search, reference
@@ -211,7 +213,7 @@ def test_scores_are_detached():
 
 def test_nan_scores_rank_first_in_index_order_as_a_stable_sort_places_them():
     q = torch.ones(1, 2, 4)
-    d = torch.randn(8, 3, 4)
+    d = torch.randint(-2, 3, (8, 3, 4)).float()
     d[[2, 5], 1, 0] = float("nan")
     with force_backend("torch"):
         got = fm.search(q, d, 4, chunk_size=3)
@@ -220,6 +222,37 @@ def test_nan_scores_rank_first_in_index_order_as_a_stable_sort_places_them():
     assert got.indices.tolist() == indices[:, :4].tolist()
     assert got.indices[0, :2].tolist() == [2, 5]
     torch.testing.assert_close(got.scores, values[:, :4], equal_nan=True, rtol=0, atol=0)
+
+
+@st.composite
+def _offsets(draw):
+    """Offsets over ``rows`` values: valid ones, or ones moved anywhere nearby (negative, decreasing, past the
+    values)."""
+    rows = draw(st.integers(0, 12))
+    cuts = sorted(draw(st.lists(st.integers(0, rows), max_size=6)))
+    offsets = [0] + cuts + [rows]
+    if draw(st.booleans()):
+        i = draw(st.integers(0, len(offsets) - 1))
+        offsets[i] = draw(st.integers(-3, rows + 3))
+    return rows, offsets, draw(st.integers(1, 8)), draw(st.integers(1, 5)), draw(st.integers(0, 2 ** 31 - 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(arguments=_offsets())
+def test_random_offsets_give_an_error_or_the_reference_top_k(arguments):
+    rows, offsets, k, chunk_size, seed = arguments
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (2, 3, 8), generator=g).float()
+    values = torch.randint(-2, 3, (rows, 8), generator=g).float()
+    documents = fm.PackedDocuments(values, torch.tensor(offsets))
+    valid = offsets[0] == 0 and offsets[-1] == rows and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    with force_backend("torch"):
+        if not valid:
+            with pytest.raises(ValueError, match=r"`documents\.offsets`"):
+                fm.search(q, documents, k, chunk_size=chunk_size)
+            return
+        got = fm.search(q, documents, k, chunk_size=chunk_size)
+    check_exact(got, q, [values[a:b] for a, b in zip(offsets, offsets[1:])], k)
 
 
 # ------------------------------------------------------------------------------------------- the running top-k
@@ -385,3 +418,22 @@ def test_cuda_padded_search_never_waits_for_the_device(twice_second_without_sync
                                    dtype=torch.bfloat16, masks=True, device="cuda")
     first, second = twice_second_without_sync(lambda: fm.search(q, docs, 10, qm, dm, chunk_size=128))
     assert torch.equal(first.indices, second.indices) and torch.equal(first.scores, second.scores)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_memory_is_bounded_by_the_chunk_not_the_corpus(seed):
+    """256 queries x 100k documents: the score matrix would be 100 MiB; a search in chunks of 2048 documents
+    holds ~25 bytes per score of a chunk (13 MiB) and the kernels' scratch for it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(256, 8, 16, generator=g).to("cuda", torch.bfloat16)
+    d = torch.randn(100_000, 4, 16, generator=g).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = fm.search(q, d, 10, chunk_size=2048)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 40 * 2 ** 20, extra / 2 ** 20
+    want = torch.sort(fm.maxsim(q, d), descending=True, stable=True)
+    torch.testing.assert_close(got.scores, want.values[:, :10], rtol=1e-6, atol=1e-4)
