@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 import report  # noqa: E402
-from _measure import (MB, Machine, brief, error_text, interpreter_autotune_shim, measure_8bit_rates,  # noqa: E402
+from _measure import (Machine, brief, error_text, interpreter_autotune_shim, measure_8bit_rates,  # noqa: E402
                       measure_host_to_device, measure_roofline, run_method, skipped, timed_call_ms, unit_tokens)
 from _peers import PEER_KEYS, load_peers  # noqa: E402
 from _search_corpus import (CORPORA, SMOKE_CORPORA, Generated, build_index, compare_topk, layout_prefix,  # noqa: E402
@@ -356,6 +356,8 @@ def run_resident(ctx: Context, corpus, gen: Generated, storage: str, methods) ->
                         estimate_ms=est)
             r["chunk_docs"] = plan[0][1] - plan[0][0]
     peer_keys = [k for k in ("lik", "fmpypi") if k in methods and k in ctx.args.peer_keys]
+    skip_rows(rows, [k for k in ("lik", "fmpypi") if k in methods and k not in peer_keys], "not requested (--peers)",
+              whole=False)
     if peer_keys:
         run_resident_peers(ctx, rows, gen, documents, storage, peer_keys, truth_of, exact_of, tol)
     ann = [k for k in ("plaid", "voyager") if k in methods]
