@@ -1363,9 +1363,14 @@ compares the rankings. Targets: exact |Δ nDCG@10| ≤ 1e-4 and identical top-10
 """
 
 
-SEARCH_INTRO = """\
+SEARCH_HEAD = """\
 ## Search
 
+Exact top-k retrieval over whole corpora: how fast (one part per GPU run of `benchmarks/search_bench.py`) and how
+it ranks next to approximate indexes on real data (the retrieval-quality table).
+"""
+
+SEARCH_INTRO = """\
 Exact top-k retrieval over whole corpora (`benchmarks/search_bench.py`): `flash_maxsim.search(queries, documents,
 k)` over a corpus resident on the GPU, and `flash_maxsim.DocumentIndex(...).search(queries, k)` over an index
 streamed from pinned host memory (`placement="host"`) or sharded over the GPUs of the process
@@ -1464,6 +1469,8 @@ def render_page(runs: list[dict], fidelity: list[dict], page: Path, plots_dir: O
                     plot = os.path.relpath(path.resolve(), page.resolve().parent).replace(os.sep, "/")
         out += [f"## {CPU_TITLE}", "", render_cpu(cpu, plot, level=3)]
     if search or quality:
+        out += [SEARCH_HEAD]
+    if search:
         out += [SEARCH_INTRO]
     for res in search:
         title = res["meta"]["device"]

@@ -283,6 +283,11 @@ def test_page_command_writes_the_page_and_its_plots(run, fidelity, cpu, search_r
     text = page.read_text()
     assert "## CPU" not in text and not (plots / "cpu-time.png").exists()
     assert "## Search" not in text and not (plots / "test-2-search.png").exists()
+    # the quality table alone: the search section without the GPU runs' method text
+    assert report.main(["page", str(results), "--fidelity", "--no-cpu", "--search", "--search-quality", str(judged),
+                        "--out", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "## Search" in text and "### Retrieval quality on BEIR subsets" in text and "**Floors**" not in text
 
 
 def test_search_section_holds_the_runs_numbers(search_run, quality, tmp_path):
