@@ -176,6 +176,21 @@ class Context:
     def spent(self) -> bool:
         return self.m.budget.spent()
 
+    def no_room(self, nbytes: float, host: bool) -> Optional[str]:
+        """Why a group whose layout has ``nbytes`` should not start now (None: it may): its build, estimated at
+        2 GB/s into pinned host memory or 20 GB/s on the GPU, plus a minute of measurements would overrun the
+        budget. The budget is soft: a measurement started goes on; a build cannot be cut short."""
+        budget = self.m.budget
+        if budget.seconds is None:
+            return None
+        if budget.spent():
+            return "time budget spent"
+        need = nbytes / (2e9 if host else 20e9) + 60
+        if budget.elapsed() + need > budget.seconds:
+            return (f"time budget: ~{need:.0f} s to build and measure, {budget.seconds - budget.elapsed():.0f} s "
+                    "left")
+        return None
+
 
 # --------------------------------------------------------------------------------------------------------- rows
 
@@ -294,9 +309,9 @@ def run_resident(ctx: Context, corpus, gen: Generated, storage: str, methods) ->
     bpt = storage_bytes_per_token(storage, gen.d)
     # the layout, and each batch size's full scores (the truth) with the selection's temporaries
     need = gen.tokens * bpt + 8 * gen.docs + 4 * sum(a.queries) * gen.docs + 8 * max(a.queries) * gen.docs
-    reason = _fits(ctx, need, "on the GPU") if m.cuda else None
-    if reason or ctx.spent():
-        skip_rows(rows, methods, reason or "time budget spent")
+    reason = (_fits(ctx, need, "on the GPU") if m.cuda else None) or ctx.no_room(gen.tokens * bpt, host=False)
+    if reason:
+        skip_rows(rows, methods, reason)
         return ctx.save()
     t0 = time.perf_counter()
     documents = resident_layout(gen, storage, m.device, m.dtype)
@@ -552,10 +567,11 @@ def run_index(ctx: Context, corpus, gen: Generated, storage: str, placement: str
                 return ctx.save()
     if not m.cuda:
         note = f"smoke run: placement 'cpu' stands in for '{placement}'"
-    if ctx.spent():
-        skip_rows(rows, ["ours"], "time budget spent")
-        return ctx.save()
     docs = gen.bounds[n_chunks - 1][1]
+    reason = ctx.no_room(int(gen.offsets[docs]) * bpt, host=placement == "host")
+    if reason:
+        skip_rows(rows, ["ours"], reason)
+        return ctx.save()
     for row in rows:
         row.update(docs=docs, tokens=int(gen.offsets[docs]), placement_arg=where)
         if note:
