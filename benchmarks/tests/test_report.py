@@ -313,9 +313,9 @@ def test_search_section_holds_the_runs_numbers(search_run, quality, tmp_path):
     assert "| passages 8.8M · int8 · resident | 1 | ok | identical | max |Δ| 0 | recall 0.990 | – |" in checks
     assert "| 8 | ok | identical | max |Δ| 0 | – | recall 0.500 ✗ |" in checks
     # the quality table: nDCG, its difference to exact, recall, identical rankings; an error says so
-    assert "| beir-tiny | CPU | plaid | 0.3100 | -0.0200 | 0.870 | 12/50 | 1.50 | 20.0 |" in page
-    assert "| beir-tiny | CPU | search | 0.3300 | +0.0000 | 1.000 | 50/50 | 0.25 | – |" in page
-    assert "| beir-tiny | CPU | voyager | error: ImportError: no voyager |" in page
+    assert "| beir-tiny | CPU | PLAID (PyLate, fast-plaid) | 0.3100 | -0.0200 | 0.870 | 12/50 |" in page
+    assert "| beir-tiny | CPU | flash_maxsim.search | 0.3300 | +0.0000 | 1.000 | 50/50 |" in page
+    assert "| beir-tiny | CPU | Voyager (PyLate) | error: ImportError: no voyager | – | – | – |" in page
     # the page leaves the goals out; a run's tables list them
     assert "#### Search: goals" not in page
     goals = {g[0]: g[1:] for g in report.search_goals(search_run)}
