@@ -299,10 +299,17 @@ def profile_row(shape, args, cuda: bool) -> dict:
     row = {"name": shape.name, "Nq": Nq, "B": B, "Lq": Lq, "Ld": Ld, "d": d, "device": str(device),
            "kernels_path": kernels_path, "stub_launches": args.stub_launches, "steps": args.steps}
     row["timed_us"] = {name: per_call_us(fn, args.steps, cuda) for name, fn in pieces.items()}
-    row["cprofile"] = cprofile_step(step, args.profiled_steps, cuda)
-    row["torch_profiler"] = torch_profile(step, min(args.profiled_steps, 20), cuda)
-    row["host_syncs"] = host_syncs(step) if cuda else []
-    row["launch_paths"] = launch_paths()
+    # each view on its own: one that fails (a profiler without CUPTI) leaves the others
+    views = (("cprofile", lambda: cprofile_step(step, args.profiled_steps, cuda)),
+             ("torch_profiler", lambda: torch_profile(step, min(args.profiled_steps, 20), cuda)),
+             ("host_syncs", lambda: host_syncs(step) if cuda else []),
+             ("launch_paths", launch_paths))
+    for name, view in views:
+        try:
+            row[name] = view()
+        except Exception as exc:
+            row[name] = None
+            row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
     return row
 
 
@@ -316,7 +323,9 @@ def print_row(row: dict, top: int) -> None:
         print(f"  {name:68s} {t['us']:8.1f} us  (enqueue {t['enqueue_us']:7.1f})")
     step, share = timed["step (ours)"]["us"], timed["PyTorch's share (loss + its gradient over a leaf)"]["us"]
     print(f"  {'ours above PyTorch share':68s} {step - share:+8.1f} us")
-    cp = row["cprofile"]
+    for name, error in (row.get("errors") or {}).items():
+        print(f"{name}: failed ({error})")
+    cp = row["cprofile"] or {"profiled_step_us": 0.0, "buckets_us": {}, "pipeline_us": {}, "top_own_us": []}
     scale = step / cp["profiled_step_us"] if cp["profiled_step_us"] else 0.0
     print(f"cProfile: {cp['profiled_step_us']:.1f} us per profiled step ({step:.1f} unprofiled); "
           f"buckets (us per profiled step, share, share x unprofiled step):")
@@ -330,7 +339,8 @@ def print_row(row: dict, top: int) -> None:
     print(f"cProfile: the {top} functions with the most own time (calls per step, own us per step):")
     for name, calls, us in cp["top_own_us"][:top]:
         print(f"  {us:8.1f} us {calls:5.1f}x  {name[-110:]}")
-    tp = row["torch_profiler"]
+    tp = row["torch_profiler"] or {"gpu_us": None, "aten_ops": 0.0, "launch_calls": 0.0, "kernel_names": {},
+                                    "top_self_cpu_us": []}
     gpu = "n/a" if tp["gpu_us"] is None else f"{tp['gpu_us']:.1f} us in {tp['kernels']:.1f} kernels"
     print(f"torch.profiler per step: {tp['aten_ops']:.1f} aten ops (nested included), {tp['launch_calls']:.1f} "
           f"launch calls, GPU time {gpu}")
@@ -338,7 +348,8 @@ def print_row(row: dict, top: int) -> None:
         print(f"  GPU {us:8.1f} us {calls:5.1f}x  {name}")
     for name, calls, us in tp["top_self_cpu_us"][:top]:
         print(f"  CPU self {us:8.1f} us {calls:5.1f}x  {name[:90]}")
-    print(f"host syncs in one step: {len(row['host_syncs'])}" + "".join(f"\n  {m}" for m in row["host_syncs"][:5]))
+    syncs = row["host_syncs"] or []
+    print(f"host syncs in one step: {len(syncs)}" + "".join(f"\n  {m}" for m in syncs[:5]))
     print(f"launch paths: {row['launch_paths']}")
 
 
@@ -356,6 +367,10 @@ def parse_args(argv=None):
     p.add_argument("--import-peers", action="store_true",
                    help="import the peer packages first (benchmarks/_peers.py), as bench.py does: shows whether "
                         "one changes our launch path (a Triton launch hook)")
+    p.add_argument("--src", type=Path, default=None,
+                   help="profile the flash_maxsim package under this folder instead of this checkout's src/ (e.g. "
+                        "another revision's: mkdir -p .ab/base && git archive REV src | tar -x -C .ab/base, then "
+                        "--src .ab/base/src)")
     p.add_argument("--top", type=int, default=15, help="lines of each per-function list")
     p.add_argument("--json", type=Path, default=None, help="write every number here")
     args = p.parse_args(argv)
@@ -366,6 +381,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.src is not None:
+        if not (args.src / "flash_maxsim" / "__init__.py").is_file():
+            raise SystemExit(f"--src {args.src}: no flash_maxsim package there")
+        sys.path.insert(0, str(args.src.resolve()))
     cuda = torch.cuda.is_available() and not args.smoke
     if args.stub_launches:
         if cuda:
@@ -375,7 +394,9 @@ def main(argv=None) -> int:
         from _peers import PEER_KEYS, load_peers
         peers, missing = load_peers(PEER_KEYS)
         print(f"peers imported: {[p.label for p in peers]}; missing: {missing}")
+    import flash_maxsim
     from flash_maxsim import ops
+    print(f"flash_maxsim from {Path(flash_maxsim.__file__).parent}")
     if not cuda:
         torch.set_num_threads(1)
     shapes = [s for s in HOST_SHAPES if not args.rows or any(t in s.name for t in args.rows.split(","))]
