@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark of flash_maxsim on a CUDA GPU: forward scoring and training steps against eager PyTorch,
 colpali-engine's chunked loop and the two peer kernel packages, and scoring of a compressed (int8 / fp8) index
-against the peers' compressed paths, with a roofline floor measured in the same run; and the host cost of the eager training
-step (steps back to back, microseconds per step) beside PyTorch's own share of it.
+against the peers' compressed paths, with a roofline floor measured in the same run; and the host cost of the eager
+training step (steps back to back, microseconds per step) beside PyTorch's own share of it.
 
     python benchmarks/bench.py --out OUT_DIR                          # every section, ~6 minutes on an H100
     python benchmarks/bench.py --out OUT_DIR --sections compressed    # one section
@@ -54,8 +54,8 @@ from _peers import PEER_KEYS, load_peers  # noqa: E402
 from _sections import (COMPRESSED_METHODS, HOST_METHODS, run_compressed_rows, run_forward_rows,  # noqa: E402
                        run_host_rows, run_training_rows)
 from _shapes import (COMPRESSED_SHAPES, FORWARD_SHAPES, FORWARD_SWEEP_B, FORWARD_SWEEP_B_QUICK,  # noqa: E402
-                     HOST_SHAPES, SMOKE_FORWARD_SWEEP_B, SMOKE_SWEEP_DIMS, SMOKE_TRAIN_SWEEP_B, TRAIN_SHAPES, TRAIN_SWEEP_B,
-                     TRAIN_SWEEP_B_QUICK, forward_sweep, smoke_forward, smoke_train, train_sweep)
+                     HOST_SHAPES, SMOKE_FORWARD_SWEEP_B, SMOKE_SWEEP_DIMS, SMOKE_TRAIN_SWEEP_B, TRAIN_SHAPES,
+                     TRAIN_SWEEP_B, TRAIN_SWEEP_B_QUICK, forward_sweep, smoke_forward, smoke_train, train_sweep)
 
 log = logging.getLogger("flash_maxsim.bench")
 

@@ -156,7 +156,6 @@ def cprofile_step(step, n: int, cuda: bool) -> dict:
                     alloc += c[3] / n * 1e6
                     alloc_launch += c[3] / n * 1e6 if path.endswith("kernels/launch.py") else 0.0
     launches = cum(("flash_maxsim/kernels/direct_launch.py", "launch"))
-    plans = cum(("flash_maxsim/kernels/launch.py", "_cached_plan"))
     launch_py = cum(("flash_maxsim/kernels/launch.py", "forward")) + cum(("flash_maxsim/kernels/launch.py",
                                                                           "backward"))
     function_fwd = cum(("torch/autograd/function.py", "apply", "flash_maxsim/ops.py")) \
