@@ -6,7 +6,7 @@ training step (steps back to back, microseconds per step) beside PyTorch's own s
 
     python benchmarks/bench.py --out OUT_DIR                          # every section, ~6 minutes on an H100
     python benchmarks/bench.py --out OUT_DIR --sections compressed    # one section
-    python benchmarks/bench.py --out OUT_DIR --sections host          # the eager step's host cost (~1 minute)
+    python benchmarks/bench.py --out OUT_DIR --sections host          # the eager training step's host cost
     python benchmarks/bench.py --out OUT_DIR --only 1x10k --peers none  # rows whose name has "1x10k", no peers
 
 Test every code path on the CPU (tiny shapes, flash_maxsim's CPU path, time.perf_counter timings):
