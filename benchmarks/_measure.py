@@ -236,6 +236,21 @@ def measure_roofline(m: Machine) -> dict:
             "mm_n": mm_n, "mm_ms": mm_ms, "bf16_mm_flops": m.mm_flops}
 
 
+def measure_host_to_device(m: Machine) -> dict:
+    """The pinned host-to-device copy bandwidth, measured now: the ceiling of any index streamed from host memory.
+    On the CPU (smoke runs) a host-to-host copy stands in, and pinning is skipped."""
+    nbytes = 1024 * MB if m.cuda else 8 * MB
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=m.cuda)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
+    ms = m.timer.median_ms(lambda: dst.copy_(src, non_blocking=True))
+    src = dst = None
+    m.release()
+    bw = nbytes / (ms * 1e-3)
+    log.info("pinned host-to-device copy: %.1f GB/s", bw / 1e9)
+    return {"h2d_bytes": nbytes, "h2d_ms": ms, "h2d_Bps": bw, "h2d_pinned": m.cuda}
+
+
 def measure_8bit_rates(m: Machine) -> dict:
     """The int8 (``torch._int_mm``, int32 accumulation) and fp8 e4m3 (``torch._scaled_mm``, fast accumulation)
     matmul rates, measured now: the compute ceilings of 8-bit tensor cores for the compressed section's floors.
@@ -297,9 +312,23 @@ def skipped(reason: str) -> dict:
     return {"status": "skipped", "error": reason}
 
 
-def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object], dict]) -> dict:
+def timed_call_ms(m: Machine, fn: Callable[[], object]) -> float:
+    """Wall milliseconds of one synchronised call of ``fn``."""
+    m.sync()
+    t0 = time.perf_counter()
+    out = fn()
+    m.sync()
+    del out
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object], dict],
+               slow_ms: Optional[float] = None) -> dict:
     """``call(*inputs)``: first on ``sets[0]`` (timed as first-call time, then checked), then its peak memory,
-    then its median time cycling through every input set. Failures are recorded, never raised."""
+    then its median time cycling through every input set. Failures are recorded, never raised.
+
+    ``slow_ms``: a call found slower than this (once warm) is timed as the median of two calls instead (its
+    ``timing`` says so): do_bench's estimate, warm-up and repetitions would cost at least eight calls."""
     res: dict = {"status": "ok"}
     try:
         m.sync()
@@ -313,6 +342,13 @@ def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object],
             res["status"] = "wrong"
         res["peak_mb"] = m.peak_extra_mb(lambda: call(*sets[0]))
         rotation = itertools.cycle(sets)
+        if slow_ms is not None:
+            warm = timed_call_ms(m, lambda: call(*next(rotation)))
+            if warm > slow_ms:
+                res["ms"] = statistics.median([warm, timed_call_ms(m, lambda: call(*next(rotation)))])
+                res["timing"] = "median of 2 calls (slow)"
+                m.release()
+                return res
         res["ms"] = m.timer.median_ms(lambda: call(*next(rotation)))
     except torch.cuda.OutOfMemoryError as exc:
         res = {"status": "oom", "error": error_text(exc)[:120]}

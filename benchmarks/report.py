@@ -5,10 +5,13 @@
     python benchmarks/report.py page RUN.json [RUN.json ...] --out PAGE.md --plots DIR
     python benchmarks/report.py tables RUN.json [--plots DIR]  # one run's tables (as bench.py's results.md)
     python benchmarks/report.py merge A.json B.json --out RUN.json  # B's sections replace A's
+    python benchmarks/report.py merge-search A.json B.json --out benchmarks/results/search-h200.json
 
 ``page`` writes one section per results JSON (one per GPU: benchmarks/results/h200.json and h100.json by default),
 each with its tables and PNG plots, after the method text kept here in :data:`PAGE_INTRO`; a CPU section from
-``cpu_bench.py``'s JSON (benchmarks/results/cpu.json), with its plot; and a retrieval fidelity table from
+``cpu_bench.py``'s JSON (benchmarks/results/cpu.json), with its plot; a search section from ``search_bench.py``'s
+runs (benchmarks/results/search-<gpu>.json, method text in :data:`SEARCH_INTRO`) and the retrievers' quality
+(``retrieval_fidelity.py --retrievers``, search-quality*.json); and a retrieval fidelity table from
 ``retrieval_fidelity.py``'s JSON files. Everything on the page comes from the JSON, so a
 page is regenerated, never edited. The per-run tables (``tables``, and bench.py's results.md) also show the
 design targets each row was tuned against; the page does not.
@@ -1039,6 +1042,326 @@ def fidelity_table(reports: list[dict]) -> list[str]:
     return _table(head, body)
 
 
+# ---------------------------------------------------------------------------------------------------- search
+# search_bench.py's results: one row per corpus x storage x placement x batch size, each with every method's
+# result and the floors measured in the same run.
+
+SEARCH_ORDER = ("ours", "maxsim", "torch_chunked", "lik", "fmpypi", "plaid", "voyager")
+SEARCH_LABELS = {"ours": "flash_maxsim", "maxsim": "maxsim, all scores", "torch_chunked": "torch chunked",
+                 "plaid": "PLAID", "voyager": "Voyager"}
+SEARCH_COLORS = {"ours": "C3", "maxsim": "C7", "torch_chunked": "C0", "lik": "C4", "fmpypi": "C5", "plaid": "C2",
+                 "voyager": "C8"}
+FLOOR_NAMES = {"hbm": "HBM", "tensor": "tensor", "h2d": "H2D"}
+
+
+def search_labels(meta: dict) -> dict:
+    labels = labels_for(meta)
+    labels.update(SEARCH_LABELS)
+    return labels
+
+
+def _search_cell(r: Optional[dict], notes: _Notes, value: str) -> str:
+    if r is not None and r.get("status") == "wrong":
+        return value + " ✗" + notes.mark("✗ = not the exact top-k within tolerance (" + _search_check_text(r) + ")")
+    return _cell(r, notes, value)
+
+
+def _search_check_text(r: dict) -> str:
+    parts = []
+    if r.get("recall") is not None:
+        parts.append(f"recall {r['recall']:.3f}")
+    if r.get("kth_gap") is not None and r.get("exact", True):
+        parts.append(f"k-th score short by {r['kth_gap']:.3g}")
+    if r.get("score_err") is not None:
+        parts.append(f"score error {r['score_err']:.3g}")
+    if r.get("max_abs_diff") is not None:
+        parts.append(f"max |Δscore| {r['max_abs_diff']:.3g}")
+    if r.get("tol") is not None and r["tol"] != float("inf"):
+        parts.append(f"tol {r['tol']:.3g}")
+    if r.get("note"):
+        parts.append(r["note"])
+    return ", ".join(parts)
+
+
+def _group(row: dict) -> str:
+    return f"{row['label']} · {row['storage']} · {row['placement']}"
+
+
+def _gb(x: Optional[float]) -> str:
+    return "–" if not x else f"{x / 1e9:.3g}"
+
+
+def search_time_table(rows: list[dict], labels: dict) -> list[str]:
+    """Median ms of every method per row, the floor (and which one binds) and ours ÷ floor."""
+    keys = _methods(rows, SEARCH_ORDER)
+    notes = _Notes()
+    head = ["corpus · storage · placement", "queries", "documents", "GB"] + [labels[k] for k in keys]
+    head += ["floor (bound)", "ours ÷ floor"]
+    body = []
+    for row in rows:
+        cells = [_group(row), str(row["Nq"]), f"{row['docs']:,}", _gb(row.get("corpus_bytes"))]
+        for k in keys:
+            r = row["results"].get(k)
+            cells.append(_search_cell(r, notes, _fmt_ms(r.get("ms") if r else None)))
+        floor, ours = row.get("floor_ms"), _ours_ms(row)
+        cells.append(f"{_fmt_ms(floor)} ({FLOOR_NAMES.get(row.get('floor_kind'), '?')})" if floor else "–")
+        cells.append(f"{ours / floor:.2f}" if ours and floor else "–")
+        body.append(cells)
+    for row in rows:
+        # a row's note, unless it is the reason its own result was skipped (footnoted already)
+        if row.get("note") and (row["results"].get("ours") or {}).get("error") != row["note"]:
+            notes.mark(f"{_group(row)}: {row['note']}")
+    return _table(head, body) + notes.render()
+
+
+def search_ratio_table(rows: list[dict]) -> list[str]:
+    """Ours against each floor, the streamed rate, the top-k's cost over the full scores, the N-GPU scaling."""
+    head = ["corpus · storage · placement", "queries", "ours ms", "HBM floor", "tensor floor", "H2D floor",
+            "× HBM floor", "× tensor floor", "% of H2D rate", "top-k ÷ maxsim", "N-GPU scaling"]
+    body = []
+    for row in rows:
+        ours, f = _ours_ms(row), row.get("floors") or {}
+        r = _ours(row)
+        maxsim = _ok(row["results"].get("maxsim"))
+
+        def times(key):
+            return f"{ours / f[key]:.2f}" if ours and f.get(key) else "–"
+        body.append([_group(row), str(row["Nq"]), _fmt_ms(ours), _fmt_ms(f.get("hbm_ms")),
+                     _fmt_ms(f.get("tensor_ms")), _fmt_ms(f.get("h2d_ms")), times("hbm_ms"), times("tensor_ms"),
+                     f"{100 * r['h2d_fraction']:.0f}%" if r.get("h2d_fraction") else "–",
+                     f"{ours / maxsim:.3f}" if ours and maxsim else "–",
+                     f"{r['scaling']:.2f}" if r.get("scaling") else "–"])
+    return _table(head, body)
+
+
+def search_memory_table(rows: list[dict], labels: dict) -> list[str]:
+    keys = _methods(rows, SEARCH_ORDER)
+    notes = _Notes()
+    body = []
+    for row in rows:
+        cells = [_group(row), str(row["Nq"])]
+        for k in keys:
+            r = row["results"].get(k)
+            cells.append(_search_cell(r, notes, _fmt_mb(r.get("peak_mb") if r else None)))
+        body.append(cells)
+    return _table(["corpus · storage · placement", "queries"] + [labels[k] for k in keys], body) + notes.render()
+
+
+def search_checks_table(rows: list[dict], labels: dict) -> list[str]:
+    """Each top-k against the exact one: "identical" (documents, order and scores), else the recall@k and ✗
+    where it is not a correct top-k within tolerance; ours on a prefix against the float64 reference."""
+    keys = _methods(rows, SEARCH_ORDER)
+    body = []
+    for row in rows:
+        ref = row.get("reference_check")
+        cells = [_group(row), str(row["Nq"]),
+                 "–" if not ref else ("ok" if ref.get("ok") else "✗ " + _search_check_text(ref))]
+        for k in keys:
+            r = row["results"].get(k) or {}
+            if r.get("max_abs_diff") is not None:
+                cells.append(f"max |Δ| {r['max_abs_diff']:.2g}" + ("" if r.get("ok") else " ✗"))
+            elif r.get("recall") is None:
+                cells.append("–")
+            elif r.get("identical"):
+                cells.append("identical")
+            else:
+                cells.append(f"recall {r['recall']:.3f}" + ("" if r.get("ok") else " ✗"))
+        body.append(cells)
+    head = ["corpus · storage · placement", "queries", "flash_maxsim vs float64 (prefix)"] + [labels[k] for k in keys]
+    return _table(head, body)
+
+
+SEARCH_GOALS = (
+    ("resident int8, 8.8M passages, 1 query: ≤ 1.15× its HBM floor", "passages-8.8m", "int8", "resident", 1,
+     lambda row, r: (row["floors"].get("hbm_ms"), 1.15)),
+    ("resident int8, 8.8M passages, 8 queries: ≤ 1.25× its tensor-core floor", "passages-8.8m", "int8", "resident",
+     8, lambda row, r: (row["floors"].get("tensor_ms"), 1.25)),
+)
+
+
+def search_goals(res: dict) -> list[tuple[str, str, str]]:
+    """(goal, measured, met) for the goals the rows can answer."""
+    rows = res.get("search") or []
+    out = []
+    for text, corpus, storage, placement, nq, floor_of in SEARCH_GOALS:
+        row = next((r for r in rows if (r["corpus"], r["storage"], r["placement"], r["Nq"]) ==
+                    (corpus, storage, placement, nq)), None)
+        ours = _ours_ms(row) if row else None
+        floor, limit = floor_of(row, _ours(row)) if row and row.get("floors") else (None, None)
+        if ours and floor:
+            out.append((text, f"{ours:.3f} ms = {ours / floor:.2f}× ({floor:.3f} ms)",
+                        "yes" if ours <= limit * floor else "no"))
+        else:
+            out.append((text, "not measured", "–"))
+    fractions = [(r["results"]["ours"]["h2d_fraction"], r) for r in rows
+                 if (r["results"].get("ours") or {}).get("h2d_fraction")]
+    if fractions:
+        worst = min(fractions, key=lambda x: x[0])
+        out.append(("host-streamed index: ≥ 85% of the pinned host-to-device bandwidth",
+                    f"{100 * worst[0]:.0f}% at worst ({worst[1]['name']}), "
+                    f"{100 * max(f for f, _ in fractions):.0f}% at best", "yes" if worst[0] >= 0.85 else "no"))
+    else:
+        out.append(("host-streamed index: ≥ 85% of the pinned host-to-device bandwidth", "not measured", "–"))
+    overheads = [(_ours_ms(r) / _ok(r["results"].get("maxsim")), r) for r in rows
+                 if _ours_ms(r) and _ok(r["results"].get("maxsim"))]
+    if overheads:
+        worst = max(overheads, key=lambda x: x[0])
+        out.append(("top-k costing ≤ 5% over maxsim on the same corpus",
+                    f"{100 * (worst[0] - 1):+.1f}% at worst ({worst[1]['name']})", "yes" if worst[0] <= 1.05 else "no"))
+    scaling = [(r["results"]["ours"]["scaling"], r) for r in rows if (r["results"].get("ours") or {}).get("scaling")]
+    if scaling:
+        worst = min(scaling, key=lambda x: x[0])
+        out.append(("N GPUs ≥ 0.9·N times one GPU's throughput", f"{worst[0]:.2f} at worst ({worst[1]['name']})",
+                    "yes" if worst[0] >= 0.9 else "no"))
+    else:
+        gpus = res["meta"].get("gpus")
+        out.append(("N GPUs ≥ 0.9·N times one GPU's throughput",
+                    f"not measurable: {gpus} GPU" + ("" if gpus == 1 else "s"), "–"))
+    return out
+
+
+def search_header(res: dict) -> list[str]:
+    meta, roof = res["meta"], res.get("roofline") or {}
+    out = [f"Run of {meta['date']} on **{meta['device']}** ({meta.get('gpus', '?')} GPU"
+           f"{'' if meta.get('gpus') == 1 else 's'}): torch {meta['torch']}, triton {meta['triton']}, flash_maxsim "
+           f"at `{meta.get('git_commit') or '?'}`{' (uncommitted changes)' if meta.get('git_dirty') else ''}; "
+           f"timer `{meta['timer']}`; top-{meta.get('k', 10)}, 32-token bf16 queries; total "
+           f"{meta.get('elapsed_s', 0):.0f} s.", ""]
+    if meta.get("smoke"):
+        out += ["**CPU smoke run: tiny corpora, numbers meaningless; it only shows that every path runs.**", ""]
+    if meta.get("peers_missing"):
+        out += ["Peers not available in this run: " + "; ".join(f"`{k}`: {v}" for k, v in
+                                                               meta["peers_missing"].items()), ""]
+    if roof:
+        parts = [f"device-to-device copy **{format_rate(roof['copy_bw_Bps'], 'B/s')}** (bytes read + written)",
+                 f"bf16 matmul **{format_rate(roof['bf16_mm_flops'], 'FLOP/s')}**"]
+        if roof.get("int8_mm_ops"):
+            parts.append(f"int8 matmul **{format_rate(roof['int8_mm_ops'], 'OP/s')}**")
+        if roof.get("h2d_Bps"):
+            parts.append(f"pinned host-to-device copy **{format_rate(roof['h2d_Bps'], 'B/s')}**")
+        out += ["Measured ceilings: " + ", ".join(parts) + ".", ""]
+    for run in meta.get("merged_runs") or []:
+        out += [f"Rows of {', '.join(run['groups'])} come from another run, of {run['date']} (flash_maxsim at "
+                f"`{run.get('git_commit') or '?'}`); their floors use that run's ceilings.", ""]
+    return out
+
+
+def render_search_run(res: dict, plots: Optional[dict] = None, level: int = 3, targets: bool = True) -> str:
+    """One search run's tables as markdown (``plots``: kind "search" -> the plot's path)."""
+    rows, labels, plots = res.get("search") or [], search_labels(res["meta"]), plots or {}
+    h = "#" * level
+    out = search_header(res)
+    if not rows:
+        return "\n".join(out + ["No rows."]) + "\n"
+    out += [f"{h} Search: time (ms, median)", ""]
+    if "search" in plots:
+        out += [f"![search time relative to each row's floor]({plots['search']})", ""]
+    out += search_time_table(rows, labels) + [""]
+    out += [f"{h} Search: ours against the floors", ""] + search_ratio_table(rows) + [""]
+    out += [f"{h} Search: peak GPU memory above the corpus (MB, outputs included)", ""]
+    out += search_memory_table(rows, labels) + [""]
+    out += [f"{h} Search: checks against the exact top-k", ""] + search_checks_table(rows, labels) + [""]
+    if targets:
+        out += [f"{h} Search: goals", ""] + _table(["goal", "measured", "met?"],
+                                                    [list(g) for g in search_goals(res)]) + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def search_summary(res: dict) -> str:
+    """The time table and the goals, printed last."""
+    rows = res.get("search") or []
+    out = [f"== search on {res['meta']['device']}: {res['meta'].get('elapsed_s', 0):.0f} s, {len(rows)} rows"]
+    if rows:
+        out += [""] + search_time_table(rows, search_labels(res["meta"]))
+        out += ["", "Goals:"] + _table(["goal", "measured", "met?"], [list(g) for g in search_goals(res)])
+    return "\n".join(out) + "\n"
+
+
+def merge_search(runs: list[dict]) -> dict:
+    """Several search runs as one: rows of later runs replace earlier rows of the same name, new ones are added
+    in order; the header is the first run's, the others listed under meta["merged_runs"]."""
+    res = json.loads(json.dumps(runs[0]))
+    for other in runs[1:]:
+        names = {r["name"]: i for i, r in enumerate(res["search"])}
+        for row in other.get("search") or []:
+            row = dict(row, run_date=other["meta"]["date"])
+            if row["name"] in names:
+                res["search"][names[row["name"]]] = row
+            else:
+                res["search"].append(row)
+        groups = sorted({_group(r) for r in other.get("search") or []})
+        res["meta"].setdefault("merged_runs", []).append(
+            {"date": other["meta"]["date"], "groups": groups, "roofline": other.get("roofline"),
+             "git_commit": other["meta"].get("git_commit"), "elapsed_s": other["meta"].get("elapsed_s")})
+    return res
+
+
+def plot_search(res: dict, path: Path, plt) -> bool:
+    """Every method's time divided by the row's floor (log scale; 1 = the floor): one panel per batch size, one
+    group of bars per corpus · storage · placement."""
+    rows = [r for r in res.get("search") or [] if r.get("floor_ms") and any(_ok(v) for v in r["results"].values())]
+    if not rows:
+        return False
+    labels = search_labels(res["meta"])
+    keys = _methods(rows, SEARCH_ORDER)
+    groups = list(dict.fromkeys(_group(r) for r in rows))
+    batches = sorted({r["Nq"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches) + 3, 0.18 * len(groups) * len(keys) + 1.6),
+                             sharex=True, sharey=True, squeeze=False)
+    for ax, nq in zip(axes[0], batches):
+        by_group = {_group(r): r for r in rows if r["Nq"] == nq}
+        series = []
+        for k in keys:
+            values = []
+            for g in groups:
+                r = by_group.get(g)
+                ms = _ok(r["results"].get(k)) if r else None
+                values.append(ms / r["floor_ms"] if ms else None)
+            series.append((labels[k], SEARCH_COLORS[k], values))
+        _grouped_bars(ax, groups, series, log_x=True, origin=1.0)
+        ax.axvline(1.0, color="k", linewidth=1.5, label="the floor (HBM, tensor-core or H2D, this run's)")
+        ax.set_title(f"{nq} quer{'y' if nq == 1 else 'ies'} per batch", fontsize=9)
+        ax.set_xlabel("time ÷ floor (log)")
+    handles, names = [], []
+    for ax in axes[0]:
+        for h, n in zip(*ax.get_legend_handles_labels()):
+            if n not in names:
+                handles.append(h)
+                names.append(n)
+    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
+    fig.suptitle(f"Exact top-{res['meta'].get('k', 10)} search: time ÷ floor, {res['meta']['device']}")
+    return _save(fig, path, plt, rect=(0, 0.6 / (0.18 * len(groups) * len(keys) + 1.6), 1, 1))
+
+
+def make_search_plots(res: dict, out_dir: Path, prefix: str = "") -> dict:
+    plt = _pyplot()
+    if plt is None:
+        return {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}search.png"
+    return {"search": path} if plot_search(res, path, plt) else {}
+
+
+def quality_table(reports: list[dict]) -> list[str]:
+    """retrieval_fidelity.py --retrievers: each retriever's nDCG@10, its recall@10 against the exact top-10
+    (float64 scores) and how many of its rankings equal exhaustive scoring's."""
+    body = []
+    for report in reports:
+        where = "CPU" if report.get("device") == "cpu" else (report.get("device_name") or "GPU").split(",")[0]
+        for r in report["results"]:
+            for name, s in (r.get("retrievers") or {}).items():
+                if s.get("error"):
+                    body.append([r["dataset"], where, name, "error: " + s["error"][:80]] + ["–"] * 5)
+                    continue
+                body.append([r["dataset"], where, name, f"{s['ndcg@10']:.4f}",
+                             f"{s['ndcg@10'] - s['ndcg@10_exact']:+.4f}", f"{s['recall@10']:.3f}",
+                             f"{s['identical_to_exhaustive']}/{r['queries']}", f"{s['seconds']:.2f}",
+                             "–" if s.get("build_seconds") is None else f"{s['build_seconds']:.1f}"])
+    head = ["dataset", "on", "retriever", "nDCG@10", "Δ vs exact", "recall@10 vs exact",
+            "rankings identical to exhaustive", "search s (all queries)", "index build s"]
+    return _table(head, body)
+
+
 # ------------------------------------------------------------------------------------------------------- page
 
 PAGE_INTRO = """\
@@ -1138,6 +1461,57 @@ compares the rankings. Targets: exact |Δ nDCG@10| ≤ 1e-4 and identical top-10
 """
 
 
+SEARCH_HEAD = """\
+## Search
+
+Exact top-k retrieval over whole corpora: how fast (one part per GPU run of `benchmarks/search_bench.py`) and how
+it ranks next to approximate indexes on real data (the retrieval-quality table).
+"""
+
+SEARCH_INTRO = """\
+Exact top-k retrieval over whole corpora (`benchmarks/search_bench.py`): `flash_maxsim.search(queries, documents,
+k)` over a corpus resident on the GPU, and `flash_maxsim.DocumentIndex(...).search(queries, k)` over an index
+streamed from pinned host memory (`placement="host"`) or sharded over the GPUs of the process
+(`placement="cuda:all"`). Corpora are random unit vectors generated on the GPU from a seed (timing needs no real
+embeddings), d = 128: passages with MS MARCO-like lengths (log-normal around 70 tokens, 8 to 180) and ColPali
+pages (1,030 tokens); stored bf16 or int8 (one bf16 scale per token); batches of 1, 8 and 64 queries of 32 tokens;
+top-10.
+
+| column | what runs |
+|---|---|
+| flash_maxsim | `flash_maxsim.search` on a resident `PackedDocuments` / packed `QuantizedDocuments`; `DocumentIndex.search` on the host-streamed and sharded rows |
+| maxsim, all scores | `flash_maxsim.maxsim(queries, documents)`: the full `[Nq, B]` scores, no selection (what the top-k costs over it) |
+| torch chunked | per chunk of documents (similarity tensor ≤ 1 GiB): gather into a padded chunk, dequantise (int8), `einsum("qid,bjd->qbij")` in bf16, mask, `amax`, fp32 `sum`, `torch.topk`, merged into a running `torch.topk` |
+| LIK | late-interaction-kernels 0.4.5 `retrieve(Q, D, top_k, d_mask=..., normalize=False, chunk=...)` on a padded copy of the corpus (bf16 rows; chunks below 2³¹ elements) |
+| flash-maxsim | flash-maxsim 0.3.0 `flash_maxsim_topk(Q[i], D, k, doc_lengths, D_int8=, scales=, mins=)`, one query a call: its approximate two-stage search (an int8 pass over every document, an fp16 re-score of the best 4k), on the padded copy plus its own uint8 copy (bf16 rows) |
+| PLAID, Voyager | PyLate 1.6's `indexes.PLAID` (fast-plaid) and `indexes.Voyager` through `retrieve.ColBERT`, default parameters, built on the same embeddings (on random vectors their recall says little: the quality table below has real data) |
+
+**Floors**, measured in the same run: HBM = the corpus's bytes ÷ the device-to-device copy bandwidth (read +
+written); tensor = 2·Nq·Lq·tokens·d ÷ the bf16 (bf16 rows) or int8 (int8 rows) matmul rate; H2D (host-streamed
+rows) = the index's bytes ÷ the pinned host-to-device copy bandwidth. The floor is the largest that applies; a
+sharded row divides by the number of GPUs. "% of H2D rate" = index bytes ÷ time ÷ that bandwidth; "top-k ÷
+maxsim" = ours ÷ the full scores' time on the same corpus; "N-GPU scaling" = one GPU's time ÷ (N × the sharded
+time). **Checks**: every top-k against the exact one (`flash_maxsim.maxsim`'s scores of the same stored corpus,
+equal scores to the lower position): "identical" = same documents, order and scores; otherwise its recall@k, and ✗
+where a returned document's exact score falls short of the k-th exact score by more than the tolerance (fp32
+2e-3 + 2e-5·Lq; the bf16 einsum's similarities are rounded: 2·2⁻⁸·max|score| + 1e-2). The host-streamed rows'
+truth is each chunk made again and searched, merged. Ours is also checked on the corpus's first 256 documents
+against the float64 reference. **Memory**: the peak allocated above the corpus (and the peers' copies) during one
+call. Rows that do not fit where they are placed are listed as skipped, with the room they need; host-streamed
+rows are sized to the host memory (the rate is what counts).
+"""
+
+QUALITY_INTRO = """\
+### Retrieval quality on BEIR subsets
+
+`benchmarks/retrieval_fidelity.py --retrievers search,index,plaid,voyager` on the two 5,000-document BEIR subsets
+(all-MiniLM-L6-v2 with PyLate's random 128-d head, so absolute nDCG is low; what counts is each retriever against
+exact search on the same embeddings): nDCG@10, recall@10 against the exact top-10 (float64 scores), and how many
+queries' top-10 equal exhaustive scoring (`flash_maxsim.maxsim` over the whole corpus, stable sort). PLAID and
+Voyager with PyLate's default parameters.
+"""
+
+
 def gpu_slug(device: str, taken: set) -> str:
     """A short file-name prefix for a device ("NVIDIA H100 80GB HBM3" -> "h100"), unique among ``taken``."""
     words = [w for w in re.split(r"[^a-z0-9]+", device.lower()) if w and w != "nvidia"]
@@ -1155,24 +1529,32 @@ def _anchor(title: str) -> str:
 
 
 def render_page(runs: list[dict], fidelity: list[dict], page: Path, plots_dir: Optional[Path],
-                cpu: Optional[dict] = None) -> str:
+                cpu: Optional[dict] = None, search: Optional[list[dict]] = None,
+                quality: Optional[list[dict]] = None) -> str:
     """The documentation page: intro and method, one section per run (GPU) with its tables and plots, the CPU
-    section (``cpu``: cpu_bench.py's JSON, or None), the retrieval fidelity table. Plots are drawn into
-    ``plots_dir`` (None: no plots)."""
+    section (``cpu``: cpu_bench.py's JSON, or None), the search section (one part per search_bench.py run, then
+    the retrieval-quality table), the retrieval fidelity table. Plots are drawn into ``plots_dir`` (None: no
+    plots)."""
     taken: set = set()
+    search, quality = search or [], [q for q in quality or [] if any(r.get("retrievers") for r in q["results"])]
     titles = [r["meta"]["device"] for r in runs]
     links = [f"[{t}](#{_anchor(t)})" for t in titles]
     if cpu:
         links.append(f"[{CPU_TITLE}](#{_anchor(CPU_TITLE)})")
+    if search or quality:
+        links.append("[Search](#search)")
     if fidelity:
         links.append("[Retrieval fidelity](#retrieval-fidelity)")
     out = [PAGE_INTRO.format(contents=" · ".join(links))]
+
+    def rel_plots(written):
+        rel = os.path.relpath(plots_dir.resolve(), page.resolve().parent).replace(os.sep, "/")
+        return {kind: f"{rel}/{path.name}" for kind, path in written.items()}
+
     for res, title in zip(runs, titles):
         plots = {}
         if plots_dir is not None:
-            written = make_plots(res, plots_dir, prefix=gpu_slug(title, taken) + "-")
-            rel = os.path.relpath(plots_dir.resolve(), page.resolve().parent).replace(os.sep, "/")
-            plots = {kind: f"{rel}/{path.name}" for kind, path in written.items()}
+            plots = rel_plots(make_plots(res, plots_dir, prefix=gpu_slug(title, taken) + "-"))
         out += [f"## {title}", "", render_run(res, plots, level=3, targets=False)]
     if cpu:
         plot = None
@@ -1184,6 +1566,18 @@ def render_page(runs: list[dict], fidelity: list[dict], page: Path, plots_dir: O
                 if plot_cpu(cpu, path, plt):
                     plot = os.path.relpath(path.resolve(), page.resolve().parent).replace(os.sep, "/")
         out += [f"## {CPU_TITLE}", "", render_cpu(cpu, plot, level=3)]
+    if search or quality:
+        out += [SEARCH_HEAD]
+    if search:
+        out += [SEARCH_INTRO]
+    for res in search:
+        title = res["meta"]["device"]
+        plots = {}
+        if plots_dir is not None:
+            plots = rel_plots(make_search_plots(res, plots_dir, prefix=gpu_slug(title, taken) + "-"))
+        out += [f"### Search on {title}", "", render_search_run(res, plots, level=4, targets=False)]
+    if quality:
+        out += [QUALITY_INTRO, *quality_table(quality), ""]
     if fidelity:
         out += [FIDELITY_INTRO, *fidelity_table(fidelity), ""]
     return "\n".join(out).rstrip() + "\n"
@@ -1209,6 +1603,12 @@ def main(argv=None) -> int:
     pg.add_argument("--cpu", type=Path, default=HERE / "results" / "cpu.json",
                     help="cpu_bench.py's results for the CPU section (default: benchmarks/results/cpu.json)")
     pg.add_argument("--no-cpu", action="store_true", help="leave the CPU section out")
+    pg.add_argument("--search", nargs="*", type=Path, default=None,
+                    help="search_bench.py results, one per GPU (default: benchmarks/results/search-*.json but the "
+                         "quality files; '--search' alone: none)")
+    pg.add_argument("--search-quality", nargs="*", type=Path, default=None,
+                    help="retrieval_fidelity.py --retrievers reports (default: benchmarks/results/"
+                         "search-quality*.json)")
     pg.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md", help="the page to write")
     pg.add_argument("--plots", type=Path, default=REPO / "docs" / "benchmarks",
                     help="folder for the page's PNG plots")
@@ -1219,22 +1619,38 @@ def main(argv=None) -> int:
     mg = sub.add_parser("merge", help="several runs as one: later files' sections replace earlier ones'")
     mg.add_argument("runs", nargs="+", type=Path)
     mg.add_argument("--out", type=Path, required=True)
+    ms = sub.add_parser("merge-search", help="several search_bench.py runs as one: later rows replace earlier ones "
+                                             "of the same name")
+    ms.add_argument("runs", nargs="+", type=Path)
+    ms.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.command == "page":
         runs = [_load(path) for path in args.runs]
         fidelity = [_load(path) for path in args.fidelity or []]
         cpu = None if args.no_cpu else _load(args.cpu)
+        results = HERE / "results"
+        if args.search is None:
+            args.search = sorted(p for p in results.glob("search-*.json") if not p.name.startswith("search-quality"))
+        if args.search_quality is None:
+            args.search_quality = sorted(results.glob("search-quality*.json"))
+        search = [_load(path) for path in args.search]
+        quality = [_load(path) for path in args.search_quality]
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render_page(runs, fidelity, args.out, None if args.no_plots else args.plots, cpu))
+        args.out.write_text(render_page(runs, fidelity, args.out, None if args.no_plots else args.plots, cpu,
+                                        search=search, quality=quality))
         log.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
     elif args.command == "tables":
         res = _load(args.run)
+        search = res["meta"].get("kind") == "search"
         plots = {}
         if args.plots is not None:
-            written = make_plots(res, args.plots)
+            written = (make_search_plots if search else make_plots)(res, args.plots)
             plots = {kind: str(path) for kind, path in written.items()}
-        sys.stdout.write(render_run(res, plots))
+        sys.stdout.write((render_search_run if search else render_run)(res, plots))
+    elif args.command == "merge-search":
+        args.out.write_text(json.dumps(merge_search([_load(path) for path in args.runs]), indent=1) + "\n")
+        log.info("wrote %s", args.out)
     else:
         args.out.write_text(json.dumps(merge_results([_load(path) for path in args.runs]), indent=1) + "\n")
         log.info("wrote %s", args.out)

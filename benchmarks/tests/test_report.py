@@ -82,6 +82,67 @@ def fidelity():
         {"dataset": "beir-tiny", "queries": 50, "scorers": {"flash_maxsim": scorer}}]}
 
 
+def _search_row(corpus, label, storage, placement, nq, docs, floors, results, **extra):
+    live = {k: v for k, v in floors.items() if v is not None}
+    kind = max(live, key=live.get)
+    return {"name": f"{label} · {storage} · {placement} · {nq}q", "corpus": corpus, "label": label,
+            "kind": "passages", "storage": storage, "placement": placement, "Nq": nq, "Lq": 32, "k": 10, "d": 128,
+            "docs": docs, "docs_nominal": docs, "tokens": 70 * docs, "corpus_bytes": 130 * 70 * docs,
+            "floors": floors, "floor_ms": live[kind], "floor_kind": kind.replace("_ms", ""), "gpus": 1,
+            "results": results, **extra}
+
+
+@pytest.fixture
+def search_run():
+    """One search run: a resident int8 corpus at 1 and 8 queries (a peer skipped, one wrong), a host-streamed row
+    sized to the host memory, a sharded row on one GPU."""
+    identical = {"identical": True, "recall": 1.0, "ok": True, "exact": True, "score_err": 0.0, "kth_gap": 0.0,
+                 "tol": 0.00264}
+    ref = {"ok": True, "identical": True, "recall": 1.0, "docs": 256}
+    return {
+        "meta": {"date": "2030-01-02T03:04:05", "device": "Test GPU 9000", "smoke": False, "torch": "2.99",
+                 "triton": "3.99", "python": "3.12.0", "git_commit": "abc1234", "git_dirty": False,
+                 "timer": "triton.testing.do_bench", "warmup_ms": 10.0, "rep_ms": 50.0, "dtype": "bfloat16",
+                 "peers": {"lik": "late-interaction-kernels 0.4.5"}, "peers_missing": {}, "kind": "search",
+                 "gpus": 1, "k": 10, "elapsed_s": 300.0},
+        "roofline": {"copy_bw_Bps": 4.2e12, "bf16_mm_flops": 7.4e14, "mm_n": 8192, "int8_mm_ops": 1.28e15,
+                     "h2d_Bps": 5.3e10},
+        "search": [
+            _search_row("passages-8.8m", "passages 8.8M", "int8", "resident", 1, 8_841_823,
+                        {"hbm_ms": 20.0, "tensor_ms": 0.5},
+                        {"ours": _ok(22.0, 1.5, **identical), "maxsim": _ok(21.5, 35.0, max_abs_diff=0.0, tol=0.003),
+                         "torch_chunked": _ok(900.0, 4000.0, identical=False, recall=0.99, ok=True, exact=True,
+                                              timing="median of 2 calls (slow)"),
+                         "lik": {"status": "skipped", "error": "no 8-bit top-k in the peer"}},
+                        reference_check=ref),
+            _search_row("passages-8.8m", "passages 8.8M", "int8", "resident", 8, 8_841_823,
+                        {"hbm_ms": 20.0, "tensor_ms": 40.0},
+                        {"ours": _ok(52.0, 3.0, **identical), "maxsim": _ok(50.0, 280.0, max_abs_diff=0.0, tol=0.003),
+                         "lik": {"status": "wrong", "ok": False, "ms": 80.0, "peak_mb": 10.0, "recall": 0.5,
+                                 "kth_gap": 0.7, "score_err": 0.0, "tol": 0.00264, "exact": True}},
+                        reference_check=ref),
+            _search_row("passages-8.8m", "passages 8.8M", "bf16", "host", 8, 4_000_000,
+                        {"hbm_ms": None, "tensor_ms": 20.0, "h2d_ms": 1000.0},
+                        {"ours": _ok(1100.0, 600.0, h2d_fraction=0.909, rate_Bps=4.8e10, **identical)},
+                        note="sized to the host memory: the first 4,000,000 of 8,841,823 documents"),
+            _search_row("passages-100k", "passages 100k", "int8", "sharded", 1, 100_000,
+                        {"hbm_ms": 0.2, "tensor_ms": 0.01},
+                        {"ours": _ok(0.5, 1.0, **identical)},
+                        note="one GPU: the sharded placement holds one shard (N-GPU scaling not measurable here)"),
+        ]}
+
+
+@pytest.fixture
+def quality():
+    plaid = {"ndcg@10": 0.31, "ndcg@10_exact": 0.33, "recall@10": 0.87, "identical_to_exhaustive": 12,
+             "identical_to_reference_up_to_ties": 12, "seconds": 1.5, "build_seconds": 20.0}
+    search = {"ndcg@10": 0.33, "ndcg@10_exact": 0.33, "recall@10": 1.0, "identical_to_exhaustive": 50,
+              "identical_to_reference_up_to_ties": 50, "seconds": 0.25}
+    return {"device": "cpu", "device_name": "", "results": [
+        {"dataset": "beir-tiny", "queries": 50, "scorers": {},
+         "retrievers": {"search": search, "plaid": plaid, "voyager": {"error": "ImportError: no voyager"}}}]}
+
+
 @pytest.fixture
 def cpu():
     """cpu_bench.py's JSON: a scoring row with two peers and a training step (no peer has a backward)."""
@@ -226,25 +287,95 @@ def test_merged_runs_take_later_sections(run):
     assert "merged_runs" not in run["meta"]
 
 
-def test_page_command_writes_the_page_and_its_plots(run, fidelity, cpu, tmp_path):
+def test_page_command_writes_the_page_and_its_plots(run, fidelity, cpu, search_run, quality, tmp_path):
     pytest.importorskip("matplotlib")
     results, fid, cpu_results = tmp_path / "gpu.json", tmp_path / "fidelity.json", tmp_path / "cpu.json"
+    searched, judged = tmp_path / "search-test.json", tmp_path / "search-quality.json"
     results.write_text(json.dumps(run))
     fid.write_text(json.dumps(fidelity))
     cpu_results.write_text(json.dumps(cpu))
+    searched.write_text(json.dumps(search_run))
+    judged.write_text(json.dumps(quality))
     page, plots = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks"
-    assert report.main(["page", str(results), "--fidelity", str(fid), "--cpu", str(cpu_results),
-                        "--out", str(page), "--plots", str(plots)]) == 0
-    assert sorted(p.name for p in plots.iterdir()) == ["cpu-time.png", "test-compressed.png", "test-forward.png",
-                                                       "test-training.png"]
+    assert report.main(["page", str(results), "--fidelity", str(fid), "--cpu", str(cpu_results), "--search",
+                        str(searched), "--search-quality", str(judged), "--out", str(page), "--plots",
+                        str(plots)]) == 0
+    assert sorted(p.name for p in plots.iterdir()) == ["cpu-time.png", "test-2-search.png", "test-compressed.png",
+                                                       "test-forward.png", "test-training.png"]
     text = page.read_text()
-    for name in ("test-forward.png", "test-training.png", "test-compressed.png", "cpu-time.png"):
+    for name in ("test-forward.png", "test-training.png", "test-compressed.png", "cpu-time.png",
+                 "test-2-search.png"):
         assert f"](benchmarks/{name})" in text
         assert (plots / name).stat().st_size > 10_000
     assert text.index("### CPU: time") < text.index("](benchmarks/cpu-time.png)") < text.index("| 1x1k |")
-    # --no-cpu: no CPU section, no CPU plot
+    assert text.index("## CPU") < text.index("## Search") < text.index("## Retrieval fidelity")
+    # --no-cpu: no CPU section, no CPU plot; no search files: no search section
     for png in plots.iterdir():
         png.unlink()
-    assert report.main(["page", str(results), "--fidelity", str(fid), "--no-cpu", "--out", str(page),
-                        "--plots", str(plots)]) == 0
-    assert "## CPU" not in page.read_text() and not (plots / "cpu-time.png").exists()
+    assert report.main(["page", str(results), "--fidelity", str(fid), "--no-cpu", "--search", "--search-quality",
+                        "--out", str(page), "--plots", str(plots)]) == 0
+    text = page.read_text()
+    assert "## CPU" not in text and not (plots / "cpu-time.png").exists()
+    assert "## Search" not in text and not (plots / "test-2-search.png").exists()
+    # the quality table alone: the search section without the GPU runs' method text
+    assert report.main(["page", str(results), "--fidelity", "--no-cpu", "--search", "--search-quality", str(judged),
+                        "--out", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "## Search" in text and "### Retrieval quality on BEIR subsets" in text and "**Floors**" not in text
+
+
+def test_search_section_holds_the_runs_numbers(search_run, quality, tmp_path):
+    page = report.render_page([], [], tmp_path / "benchmarks.md", plots_dir=None, search=[search_run],
+                              quality=[quality])
+    assert "[Search](#search)" in page and "### Search on Test GPU 9000" in page
+    assert "pinned host-to-device copy **53 GB/s**" in page and "int8 matmul **1.28e+03 TOP/s**" in page
+    time_head = "#### Search: time"
+    assert _row(page, "passages 8.8M · int8 · resident", time_head) == (
+        "| passages 8.8M · int8 · resident | 1 | 8,841,823 | 80.5 | 22.0 | 21.5 | 900.0 | skip [1] | 20.0 (HBM) "
+        "| 1.10 |")
+    assert "[1] skipped: no 8-bit top-k in the peer" in page
+    # a wrong peer is marked with what is wrong; a row's note is a footnote of the table
+    section = page.split(time_head, 1)[1].split("####", 1)[0]
+    assert "| 8 | 8,841,823 | 80.5 | 52.0 | 50.0 | – | 80.0 ✗[2] | 40.0 (tensor) | 1.30 |" in section
+    assert "✗ = not the exact top-k within tolerance (recall 0.500, k-th score short by 0.7" in section
+    assert "passages 8.8M · bf16 · host: sized to the host memory" in section
+    ratio = _row(page, "passages 8.8M · bf16 · host", "#### Search: ours against the floors")
+    assert ratio == "| passages 8.8M · bf16 · host | 8 | 1100.0 | – | 20.0 | 1000.0 | – | 55.00 | 91% | – | – |"
+    ratios = page.split("#### Search: ours against the floors", 1)[1].split("####", 1)[0]
+    assert "| passages 8.8M · int8 · resident | 1 | 22.0 | 20.0 | 0.500 | – | 1.10 | 44.00 | – | 1.023 | – |" in ratios
+    checks = page.split("#### Search: checks", 1)[1].split("###", 1)[0]
+    assert "| passages 8.8M · int8 · resident | 1 | ok | identical | max |Δ| 0 | recall 0.990 | – |" in checks
+    assert "| 8 | ok | identical | max |Δ| 0 | – | recall 0.500 ✗ |" in checks
+    # the quality table: nDCG, its difference to exact, recall, identical rankings; an error says so
+    assert "| beir-tiny | CPU | plaid | 0.3100 | -0.0200 | 0.870 | 12/50 | 1.50 | 20.0 |" in page
+    assert "| beir-tiny | CPU | search | 0.3300 | +0.0000 | 1.000 | 50/50 | 0.25 | – |" in page
+    assert "| beir-tiny | CPU | voyager | error: ImportError: no voyager |" in page
+    # the page leaves the goals out; a run's tables list them
+    assert "#### Search: goals" not in page
+    goals = {g[0]: g[1:] for g in report.search_goals(search_run)}
+    assert goals["resident int8, 8.8M passages, 1 query: ≤ 1.15× its HBM floor"] == \
+        ("22.000 ms = 1.10× (20.000 ms)", "yes")
+    assert goals["resident int8, 8.8M passages, 8 queries: ≤ 1.25× its tensor-core floor"] == \
+        ("52.000 ms = 1.30× (40.000 ms)", "no")
+    assert goals["host-streamed index: ≥ 85% of the pinned host-to-device bandwidth"][1] == "yes"
+    assert goals["top-k costing ≤ 5% over maxsim on the same corpus"] == \
+        ("+4.0% at worst (passages 8.8M · int8 · resident · 8q)", "yes")
+    assert goals["N GPUs ≥ 0.9·N times one GPU's throughput"] == ("not measurable: 1 GPU", "–")
+    assert "### Search: goals" in report.render_search_run(search_run)
+
+
+def test_merged_search_runs_replace_rows_by_name(search_run):
+    later = json.loads(json.dumps(search_run))
+    later["meta"]["date"] = "2030-02-03T00:00:00"
+    later["search"] = [later["search"][0]]
+    later["search"][0]["results"]["ours"]["ms"] = 21.0
+    extra = json.loads(json.dumps(search_run["search"][3]))
+    extra["name"], extra["Nq"] = "passages 100k · int8 · sharded · 8q", 8
+    later["search"].append(extra)
+    merged = report.merge_search([search_run, later])
+    assert [r["name"] for r in merged["search"]] == [r["name"] for r in search_run["search"]] + [extra["name"]]
+    assert merged["search"][0]["results"]["ours"]["ms"] == 21.0 and merged["search"][1] == search_run["search"][1]
+    assert merged["meta"]["merged_runs"][0]["groups"] == ["passages 100k · int8 · sharded",
+                                                           "passages 8.8M · int8 · resident"]
+    assert "come from another run, of 2030-02-03T00:00:00" in report.render_search_run(merged)
+    assert search_run["search"][0]["results"]["ours"]["ms"] == 22.0

@@ -1,6 +1,7 @@
 """retrieval_fidelity.py scoring on another machine, run on the CPU: packs exported, scored one by one and brought
 back compare exactly as the whole corpus scored in one go, and a missing or skipped pack is an error."""
 
+import importlib.util
 import json
 
 import pytest
@@ -63,6 +64,41 @@ def test_scores_from_packs_compare_as_the_whole_corpus_does(beir_with_cache, tmp
         rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", *scores[:-1]])     # last missing
     with pytest.raises(SystemExit, match="the next piece starts"):
         rf.main(["--data", str(folder), "--cache", str(cache), "--device-scores", scores[0], *scores[2:]])
+
+
+def test_retrievers_compare_with_exhaustive_and_exact_search(beir_with_cache, tmp_path):
+    """flash_maxsim.search and DocumentIndex return exhaustive scoring's top-10 on every query; PyLate's indexes
+    are compared the same way where PyLate is installed, and recorded with their error where it is not."""
+    folder, cache = beir_with_cache
+    out = tmp_path / "quality.json"
+    assert rf.main(["--data", str(folder), "--cache", str(cache), "--device", "cpu", "--retrievers",
+                    "search,index,plaid", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    for name in ("search", "index"):
+        r = result["retrievers"][name]
+        # 7 documents: each top-10 list is the whole corpus, ranked exactly as exhaustive scoring ranks it
+        assert r["identical_to_exhaustive"] == 3 and r["recall@10"] == 1.0, (name, r)
+        assert r["ndcg@10"] == r["ndcg@10_exact"] and r["seconds"] >= 0
+    plaid = result["retrievers"]["plaid"]
+    if importlib.util.find_spec("pylate") is None:
+        assert "error" in plaid
+    else:
+        assert 0 <= plaid["recall@10"] <= 1 and plaid["build_seconds"] > 0
+
+
+def test_compare_retrieved_counts_identical_rankings_and_recall():
+    exact = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 1.0, 2.0, 3.0]], dtype=torch.float64)
+    exhaustive = exact.clone()
+    qrels = {"q0": {"d0": 1}, "q1": {"d1": 2}}
+    ids = ["d0", "d1", "d2", "d3"]
+    # query 0: exhaustive scoring's list; query 1: its last two documents swapped (it ranks [3, 2, 1, 0])
+    got = [[0, 2, 1, 3], [3, 2, 0, 1]]
+    r = rf.compare_retrieved(got, exhaustive, exact, ids, ["q0", "q1"], qrels)
+    assert r["identical_to_exhaustive"] == 1 and r["recall@10"] == 1.0
+    assert r["ndcg@10"] < r["ndcg@10_exact"]
+    # a retriever that misses documents loses recall
+    short = rf.compare_retrieved([[0, 2], [3, 2]], exhaustive, exact, ids, ["q0", "q1"], qrels)
+    assert short["recall@10"] == 0.5 and short["identical_to_exhaustive"] == 0
 
 
 def test_pylate_index_check_on_cached_embeddings(beir_with_cache, tmp_path):
