@@ -359,6 +359,50 @@ def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object],
     return res
 
 
+# host cost: steps run before a timed pass, and the names of the CUDA driver and runtime calls that launch a kernel
+HOST_WARMUP_STEPS = 10
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_pass_us(m: Machine, step: Callable[[], object], n: int) -> dict:
+    """``n`` calls of ``step`` back to back after a warm-up, one synchronisation at the end: microseconds per step
+    (``us``, what a training loop without CUDA graphs gets), and the part before the synchronisation
+    (``enqueue_us``: the host's own time per step when the GPU keeps up)."""
+    for _ in range(HOST_WARMUP_STEPS):
+        step()
+    m.sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    m.sync()
+    t2 = time.perf_counter()
+    return {"us": (t2 - t0) / n * 1e6, "enqueue_us": (t1 - t0) / n * 1e6}
+
+
+def profiled_step(m: Machine, step: Callable[[], object], n: int) -> dict:
+    """``n`` steps under ``torch.profiler``: per step, the GPU's kernel time (``gpu_us``: every kernel, memset and
+    copy, summed; None on the CPU), the kernels run (``kernels``), the host's kernel-launch calls (``launches``)
+    and the aten operators dispatched, nested ones included (``aten_ops``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if m.cuda else [])
+    step()
+    m.sync()
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        m.sync()
+    events = prof.events()
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    out = {"aten_ops": sum(e.name.startswith("aten::") for e in events if e.device_type == DeviceType.CPU) / n,
+           "launches": sum(e.name in LAUNCH_CALLS for e in events) / n, "gpu_us": None, "kernels": None}
+    if m.cuda:
+        out["gpu_us"] = sum(e.time_range.elapsed_us() for e in device) / n
+        out["kernels"] = len(device) / n
+    return out
+
+
 def interleave_rounds(m: Machine, calls: dict, results: dict, rounds: int) -> None:
     """Times ``calls`` (key -> (call, input sets): ours and each peer's chosen variant on one row) again in
     ``rounds`` alternating passes, so that drift of GPU clocks and host speed during the run hits every method

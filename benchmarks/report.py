@@ -34,7 +34,7 @@ log = logging.getLogger("flash_maxsim.bench")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULT_KEYS = ("forward", "training", "compressed", "forward_sweep", "training_sweep")
+RESULT_KEYS = ("forward", "training", "host", "compressed", "forward_sweep", "training_sweep")
 
 # ---------------------------------------------------------------------------------------------------- labels
 
@@ -46,6 +46,7 @@ LABELS = {
     "eager": "eager autograd",
     "lik": "LIK",
     "fmpypi": "flash-maxsim",
+    "pytorch_share": "PyTorch's share",
 }
 PEER_METHODS = ("lik", "fmpypi")
 COMPRESSED_METHODS = ("ours_int8", "ours_fp8", "ours_exact", "fmpypi", "lik")
@@ -338,6 +339,79 @@ def training_graph_table(rows: list[dict], labels: dict, targets: bool = True) -
     return _table(head, body)
 
 
+# -------------------------------------------------------------------------------------------------- host cost
+
+HOST_ORDER = ("ours", "fmpypi", "lik", "pytorch_share")
+
+
+def _fmt_us(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.0f}"
+
+
+def _us(row: dict, key: str) -> Optional[float]:
+    r = row["results"].get(key) or {}
+    return r.get("us") if r.get("status") == "ok" else None
+
+
+def host_table(rows: list[dict], labels: dict, targets: bool = True) -> list[str]:
+    """The eager step's microseconds per step (back to back, one synchronisation at the end) for each method and
+    PyTorch's share, ours above the share; with ``targets``, the goal (the share plus the row's margin, and no
+    peer faster) and whether ours meets it."""
+    keys = _methods(rows, HOST_ORDER)
+    notes = _Notes()
+    head = ["eager training step"] + [labels[k] + " µs" for k in keys] + ["ours above PyTorch's share µs"]
+    head += ["goal µs", "met?"] if targets else []
+    body = []
+    for row in rows:
+        cells = [row["name"]]
+        for k in keys:
+            r = row["results"].get(k)
+            cells.append(_cell(r, notes, _fmt_us(r.get("us")) if r else "–"))
+        ours, share = _us(row, "ours"), _us(row, "pytorch_share")
+        cells.append(f"{ours - share:+.0f}" if ours is not None and share is not None else "–")
+        if targets:
+            goal = share + row["margin_us"] if share is not None and row.get("margin_us") is not None else None
+            cells.append(f"≤ {goal:.0f}" if goal is not None else "–")
+            cells.append(_host_met(row, ours, goal))
+        body.append(cells)
+    return _table(head, body) + notes.render()
+
+
+def _host_met(row: dict, ours: Optional[float], goal: Optional[float]) -> str:
+    if ours is None:
+        return "no (no result)"
+    misses = []
+    if goal is not None and ours > goal:
+        misses.append("above the share's margin")
+    best = _best_peer(row, "us")
+    if best is not None and ours > best[0]:
+        misses.append("slower than a peer")
+    return "yes" if not misses else "no (" + ", ".join(misses) + ")"
+
+
+def host_gpu_table(rows: list[dict], labels: dict) -> list[str]:
+    """Per step of each method: the GPU's kernel time (torch.profiler, every kernel, memset and copy summed), the
+    kernels run and the host's kernel-launch calls, and the host's time before the final synchronisation."""
+    rows = [r for r in rows if any(v.get("us") is not None for v in r["results"].values())]
+    if not rows:
+        return []
+    keys = _methods(rows, HOST_ORDER)
+    head = ["eager training step"] + [labels[k] + " GPU µs / kernels / launches / enqueue µs" for k in keys]
+    body = []
+    for row in rows:
+        cells = [row["name"]]
+        for k in keys:
+            r = row["results"].get(k) or {}
+            if r.get("us") is None:
+                cells.append("–")
+                continue
+            count = (lambda x: "–" if x is None else f"{x:.3g}")
+            cells.append(f"{_fmt_us(r.get('gpu_us'))} / {count(r.get('kernels'))} / {count(r.get('launches'))} / "
+                         f"{_fmt_us(r.get('enqueue_us'))}")
+        body.append(cells)
+    return _table(head, body)
+
+
 # ------------------------------------------------------------------------------------------- compressed index
 
 def _compressed_cell(r: Optional[dict], notes: _Notes, value: str) -> str:
@@ -544,6 +618,21 @@ def render_run(res: dict, plots: Optional[dict] = None, level: int = 3, targets:
             out += graphed + [""]
         out += [f"{h} Training step: correctness (max |Δscore| / gradient relative error against flash_maxsim; "
                 "✗ = flagged)", ""] + correctness_table(rows, labels, train=True) + [""]
+    if res.get("host"):
+        rows = res["host"]
+        steps = rows[0].get("steps", "?")
+        out += [f"{h} Eager training step: host cost (µs per step, median)", "",
+                f"{steps} steps back to back, one synchronisation at the end: what a training loop without CUDA "
+                "graphs gets. PyTorch's share is the loss and its gradient over a leaf tensor of scores alone; no "
+                "scoring function makes the step cheaper on this host.", ""]
+        out += host_table(rows, labels, targets) + [""]
+        gpu = host_gpu_table(rows, labels)
+        if gpu:
+            out += [f"{h} Eager training step: GPU time, kernels and launches per step", "",
+                    "From `torch.profiler` over a few steps: the GPU's kernel time summed (not the step's wall "
+                    "time), the kernels run, the host's kernel-launch calls; enqueue µs is the host's time per step "
+                    "before the final synchronisation.", ""]
+            out += gpu + [""]
     if res.get("compressed"):
         rows = res["compressed"]
         out += [f"{h} Compressed index: time (ms, median), index bytes, fidelity", ""]
@@ -582,6 +671,10 @@ def summary(res: dict) -> str:
         graphed = training_graph_table(res["training"], labels)
         if graphed:
             out += ["", "Training step, GPU time (CUDA graph) and PyTorch's share (ms):"] + graphed
+    if res.get("host"):
+        out += ["", "Eager training step, host cost (µs per step):"] + host_table(res["host"], labels)
+        out += ["", "Eager training step, GPU µs / kernels / launches / enqueue µs per step:"]
+        out += host_gpu_table(res["host"], labels)
     if res.get("compressed"):
         out += ["", "Compressed index (ms, bytes, fidelity):"] + compressed_table(res["compressed"], labels)
     return "\n".join(out) + "\n"
@@ -1344,6 +1437,11 @@ every variant is listed. The documents are quantised once per shape, outside the
   divergence to fixed random teacher scores over each query's 64 candidates (documents `[Nq, K, Ld, d]`); the
   smooth max uses τ = 0.1 (colpali-engine's `ColbertModule` default). The GPU-time table replays each step from
   a CUDA graph; PyTorch's share is the loss and `autograd.grad` over a leaf tensor of scores, timed alone.
+- **Host cost of the eager training step**: in-batch steps of 8 queries against 8 documents of 32×64 tokens and
+  of the ColBERT B128 row (scores → the cross-entropy above → `autograd.grad`), run back to back, 200 steps per pass and one synchronisation at the end, microseconds per step, median of 3
+  alternating passes: what a training loop without CUDA graphs gets, on that machine's host. PyTorch's share is
+  the loss and its gradient over a leaf tensor of scores alone. A second table gives each step's GPU kernel time
+  (`torch.profiler`, every kernel summed), its kernels and the host's kernel-launch calls.
 - **Skips**: an eager baseline is skipped when its estimated memory exceeds 85% of free GPU memory or its
   estimated time per call exceeds 2 s; a peer that lacks an operation (the smooth max) is skipped.
 - **Compressed index**: "index bytes ÷ unquantised" = bytes the index keeps resident (values + scales) ÷ the

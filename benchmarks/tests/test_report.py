@@ -12,6 +12,11 @@ def _ok(ms, peak_mb, **extra):
     return {"status": "ok", "ok": True, "ms": ms, "peak_mb": peak_mb, **extra}
 
 
+def _host(us, gpu_us, kernels, launches, enqueue_us, **extra):
+    return {"status": "ok", "us": us, "us_rounds": [us, us + 5, us - 5], "enqueue_us": enqueue_us, "gpu_us": gpu_us,
+            "kernels": kernels, "launches": launches, "aten_ops": 20, **extra}
+
+
 @pytest.fixture
 def run():
     """One GPU's results: a forward, a training and a compressed-index row, one peer missing, one result wrong."""
@@ -41,6 +46,19 @@ def run():
                 "eager": _ok(2.894, 1655.0, max_abs_diff=0.038, tol=0.08, grad_rel_err=0.2, grad_tol=0.5),
                 "lik": {"status": "wrong", "ok": False, "ms": 1.166, "peak_mb": 33.0, "max_abs_diff": 0.5,
                         "tol": 0.0026, "grad_rel_err": 0.9, "grad_tol": 0.02, "peer": "late-interaction-kernels"}}}],
+        "host": [
+            {"name": "in-batch B8, 32x64", "Nq": 8, "B": 8, "Lq": 32, "Ld": 64, "d": 128, "steps": 200,
+             "margin_us": 150.0, "results": {
+                 "ours": _host(702.4, 45.2, 2, 2, 310.0, ref_ok=True, ok=True),
+                 "fmpypi": _host(834.0, 30.1, 3, 3, 640.0, peer="flash-maxsim 0.3.0", ok=True),
+                 "lik": _host(1151.0, 52.0, 4, 4, 900.0, peer="late-interaction-kernels 0.4.5", ok=True),
+                 "pytorch_share": _host(348.3, 9.9, 5, 5, 300.0)}},
+            {"name": "ColBERT in-batch B128, 32x300", "Nq": 128, "B": 128, "Lq": 32, "Ld": 300, "d": 128,
+             "steps": 200, "margin_us": 150.0, "results": {
+                 "ours": _host(600.0, 190.0, 3, 3, 290.0, ref_ok=True, ok=True),
+                 "fmpypi": {"status": "skipped", "error": "import flash_maxsim_pypi failed: no such module"},
+                 "lik": _host(1264.0, 420.0, 4, 4, 1000.0, peer="late-interaction-kernels 0.4.5", ok=True),
+                 "pytorch_share": _host(519.0, 12.0, 5, 5, 500.0)}}],
         "compressed": [{
             "name": "1x10k, 32x300", "Nq": 1, "B": 10000, "Lq": 32, "Ld": 300, "d": 128, "flops": 2.46e10,
             "int8_index_bytes": 10000 * 300 * 130, "memory_floor_ms": {"unquantised": 0.182, "int8": 0.094},
@@ -174,6 +192,17 @@ def test_page_tables_hold_the_runs_numbers(run, fidelity, tmp_path):
     assert "gradient rel. error 0.9 (tol 0.02)" in page
     assert _row(page, "ColBERT in-batch B128, 32x300", "### Training step: GPU time") == \
         "| ColBERT in-batch B128, 32x300 | 0.208 | – | – | 0.846 | 0.211 |"
+    # host cost: µs per step of each method and PyTorch's share, ours above the share; GPU µs, kernels, launches
+    head = _row(page, "eager training step", "### Eager training step: host cost")
+    assert head.split(" | ")[1:5] == ["flash_maxsim µs", "flash-maxsim µs", "LIK 0.4.5 µs", "PyTorch's share µs"]
+    assert _row(page, "in-batch B8, 32x64", "### Eager training step: host cost") == \
+        "| in-batch B8, 32x64 | 702 | 834 | 1151 | 348 | +354 |"
+    assert _row(page, "ColBERT in-batch B128, 32x300", "### Eager training step: host cost") == \
+        "| ColBERT in-batch B128, 32x300 | 600 | skip [1] | 1264 | 519 | +81 |"
+    assert _row(page, "in-batch B8, 32x64", "### Eager training step: GPU time") == \
+        "| in-batch B8, 32x64 | 45 / 2 / 2 / 310 | 30 / 3 / 3 / 640 | 52 / 4 / 4 / 900 | 10 / 5 / 5 / 300 |"
+    assert _row(page, "ColBERT in-batch B128, 32x300", "### Eager training step: GPU time") == \
+        "| ColBERT in-batch B128, 32x300 | 190 / 3 / 3 / 290 | – | 420 / 4 / 4 / 1000 | 12 / 5 / 5 / 500 |"
     # compressed index: time, bytes ratio, floor, fidelity; the floors table counts d + 2 bytes per token
     assert _row(page, "1x10k, 32x300", "### Compressed index: time") == \
         "| 1x10k, 32x300 | flash_maxsim int8 | 0.111 | 0.516 | 0.094 | 85% | 1.8e-03 |"
@@ -238,13 +267,18 @@ def test_run_tables_show_the_design_targets(run):
     assert "≤ 0.3 / ≤ 32 | no (time target) |" in tables
     assert _row(tables, "1x10k, 32x300", "### Compressed index: time").endswith(
         "| ≤ 0.11 ms, ≤ 0.53× | no (time) |")
+    # the host goal: PyTorch's share + the row's margin, and no peer faster
+    assert _row(tables, "in-batch B8, 32x64", "### Eager training step: host cost").endswith(
+        "| +354 | ≤ 498 | no (above the share's margin) |")
+    assert _row(tables, "ColBERT in-batch B128, 32x300", "### Eager training step: host cost").endswith(
+        "| +81 | ≤ 669 | yes |")
 
 
 def test_merged_runs_take_later_sections(run):
     later = json.loads(json.dumps(run))
     later["meta"]["date"] = "2030-02-03T00:00:00"
     later["forward"][0]["results"]["ours"]["ms"] = 0.125
-    del later["training"], later["compressed"]
+    del later["training"], later["host"], later["compressed"]
     merged = report.merge_results([run, later])
     assert merged["forward"][0]["results"]["ours"]["ms"] == 0.125
     assert merged["training"] == run["training"] and merged["meta"]["date"] == run["meta"]["date"]
