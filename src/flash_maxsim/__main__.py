@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -100,7 +100,11 @@ def standard_rows(device: str, quick: bool) -> list[Row]:
 
 # --- inputs and the eager PyTorch baseline ---------------------------------------------------------------------
 
-def make_inputs(row: Row, device: str, dtype: torch.dtype, seed: int = 0):
+Documents = Union[torch.Tensor, List[torch.Tensor]]
+
+
+def make_inputs(row: Row, device: str, dtype: torch.dtype, seed: int = 0
+                ) -> Tuple[torch.Tensor, Documents, Optional[torch.Tensor], Optional[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape):
@@ -120,7 +124,8 @@ def make_inputs(row: Row, device: str, dtype: torch.dtype, seed: int = 0):
     return q, documents, qmask, dmask
 
 
-def eager_scores(q, documents, qmask, dmask, masked, smooth_tau):
+def eager_scores(q: torch.Tensor, documents: Documents, qmask: Optional[torch.Tensor],
+                 dmask: Optional[torch.Tensor], masked: str, smooth_tau: Optional[float]) -> torch.Tensor:
     """What users write: the full similarity tensor, then max (or logsumexp) and sum, in the inputs' dtype."""
     if isinstance(documents, list):
         lengths = torch.tensor([x.shape[0] for x in documents], device=q.device)
@@ -143,7 +148,7 @@ def eager_scores(q, documents, qmask, dmask, masked, smooth_tau):
 
 # --- measurement -----------------------------------------------------------------------------------------------
 
-def peak_extra_bytes(fn, device: str) -> Optional[int]:
+def peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
     """Peak memory above what was allocated before the call: the CUDA allocator's peak, or on Linux CPUs the
     resident-set high-water mark (reset through /proc/self/clear_refs)."""
     if device == "cuda":
@@ -156,7 +161,7 @@ def peak_extra_bytes(fn, device: str) -> Optional[int]:
     return _cpu_benchmark.peak_rss_above_start(fn)
 
 
-def median_ms(fn, device: str, repeats: int) -> float:
+def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
     fn()                                        # warm-up (kernel compilation, allocator)
     if device == "cuda":
         import triton.testing

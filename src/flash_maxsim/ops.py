@@ -97,8 +97,10 @@ def _problem(queries, documents, queries_mask, documents_mask, offsets, max_leng
                    document_scales)
 
 
-def forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
-                 zero_masked, smooth_tau, save_aux, document_scales=None):
+def forward_impl(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
+                 documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, candidates: int,
+                 zero_masked: bool, smooth_tau: Optional[float], save_aux: bool,
+                 document_scales: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Scores ``[Nq, C]`` fp32 and the auxiliary tensor for the backward (``[Nq, C, Lq]``; None when
     ``save_aux`` is False). ``document_scales`` (bf16 or fp32, shaped like a documents mask) marks int8/fp8 documents:
     D = scale * values."""
@@ -167,8 +169,10 @@ def _(queries, documents, queries_mask, documents_mask, offsets, max_length, can
             queries.new_empty(aux_shape, dtype=aux_dtype(smooth_tau, max_length)))
 
 
-def backward_impl(grad, queries, documents, queries_mask, documents_mask, offsets, max_length, aux, candidates,
-                  smooth_tau, need_queries_grad, need_documents_grad, fp32_grads):
+def backward_impl(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
+                  documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_length: int, aux: Tensor,
+                  candidates: int, smooth_tau: Optional[float], need_queries_grad: bool,
+                  need_documents_grad: bool, fp32_grads: bool) -> tuple[Tensor, Tensor]:
     """Gradients w.r.t. queries and documents (an empty tensor for one not asked for)."""
     grad_dtype = torch.float32 if fp32_grads else None
     Nq, Lq, _ = queries.shape

@@ -4,15 +4,25 @@ handed in by a caller. Every error names the caller's argument."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    import numpy
 
 try:  # numpy comes with every toolkit; without it no argument can be an array
     import numpy as _np
 except ImportError:  # pragma: no cover
     _np = None
+
+#: What the toolkits accept as embeddings or masks: a tensor, a numpy array, or a list or tuple of either (or of
+#: numbers), converted by :func:`as_tensor`.
+if TYPE_CHECKING:
+    ArrayLike = Union[Tensor, "numpy.ndarray", Sequence[Any]]
+else:
+    ArrayLike = Union[(Tensor, Sequence[Any]) if _np is None else (Tensor, _np.ndarray, Sequence[Any])]
 
 
 def shape_of(x) -> str:

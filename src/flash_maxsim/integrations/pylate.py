@@ -54,7 +54,7 @@ import torch
 import flash_maxsim
 from flash_maxsim import reference
 
-from ._inputs import as_mask, as_tensor, check_rank, length_mask, shape_of
+from ._inputs import ArrayLike, as_mask, as_tensor, check_rank, length_mask, shape_of
 from ._patches import Integration, PatchSet, import_toolkit
 from ._quantized import document_bounds, padded_by_group, with_zero_tokens
 
@@ -145,7 +145,8 @@ def _check_masked(masked: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- scorers
 
-def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+def colbert_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                   queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
                    backend: Optional[str] = None, *, masked: str = "zero") -> torch.Tensor:
     """``pylate.scores.colbert_scores`` through flash_maxsim: every query against every document.
 
@@ -166,7 +167,8 @@ def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, 
                    masked)
 
 
-def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+def colbert_kd_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                      queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
                       backend: Optional[str] = None, *, masked: str = "zero") -> torch.Tensor:
     """``pylate.scores.colbert_kd_scores`` through flash_maxsim: each query against its own candidates (the
     ``score_metric`` of ``losses.Distillation``).
@@ -203,7 +205,8 @@ def _rows(name: str, x) -> List[torch.Tensor]:
     return rows
 
 
-def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: Optional[str] = None) -> torch.Tensor:
+def colbert_scores_pairwise(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                            backend: Optional[str] = None) -> torch.Tensor:
     """``pylate.scores.colbert_scores_pairwise`` through flash_maxsim: query ``i`` against document ``i``.
 
     Args:
@@ -262,7 +265,8 @@ class FlashColBERTScores:
     def __repr__(self) -> str:
         return f"FlashColBERTScores(masked={self.masked!r})"
 
-    def __call__(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+    def __call__(self, queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                 queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
                  backend: Optional[str] = None) -> torch.Tensor:
         return _grouped_scores(queries_embeddings, documents_embeddings, queries_mask, documents_mask, backend,
                                self.masked)

@@ -24,7 +24,7 @@ Every launch also gives Triton :data:`COMPILE_OPTIONS`.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Any, Hashable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ class TensorDesc(NamedTuple):
     strides: tuple
     block_shape: tuple
 
-    def made(self, tensors):
+    def made(self, tensors: tuple) -> Any:
         """Triton's ``TensorDescriptor`` over this launch's ``tensors``."""
         from triton.tools.tensor_descriptor import TensorDescriptor
         return TensorDescriptor(tensors[self.index], list(self.shape), list(self.strides), list(self.block_shape))
@@ -232,7 +232,8 @@ class _CLauncherCall:
                       *self.tail)
 
 
-def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta_key=None, plan=None) -> None:
+def launch(kernel: Any, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta_key: Optional[Hashable] = None,
+           plan: Optional[object] = None) -> None:
     """``kernel[grid](*tensors, *scalars, **meta)``, with the binding cost paid once per specialisation.
     ``scalars`` may hold ``TensorDesc`` arguments. ``meta_key`` (optional) is a hashable stand-in for ``meta``,
     precomputed by callers that reuse one. ``plan`` (optional) is an object whose identity fixes ``grid``,
@@ -284,7 +285,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, meta: dict, meta
     _RUNNERS[key] = entry if entry is not None else _RunnerCall(runner, tail)
 
 
-def compiled_kernels(kernel):
+def compiled_kernels(kernel: Any) -> Iterator[Any]:
     """Every ``CompiledKernel`` Triton holds for ``kernel`` (a ``JITFunction``), on every device, compiled so far:
     for tools that read their code, registers or metadata. Triton keeps them in
     ``kernel.device_caches[device][0]`` (3.2-3.9); anything else holds none."""

@@ -19,8 +19,10 @@ queries' size). Nothing scales with Lq*Ld.
 """
 
 import math
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import direct_launch, tuning
 from .._types import aux_dtype
@@ -271,8 +273,10 @@ def _forward_plan(queries, documents, queries_mask, documents_mask, offsets, can
     return plan
 
 
-def forward(queries, documents, queries_mask, documents_mask, offsets, candidates, zero_masked, smooth_tau,
-            save_aux, max_len=None, document_scales=None):
+def forward(queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor], documents_mask: Optional[Tensor],
+            offsets: Optional[Tensor], candidates: int, zero_masked: bool, smooth_tau: Optional[float],
+            save_aux: bool, max_len: Optional[int] = None,
+            document_scales: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Scores ``[Nq, C]`` fp32 and ``aux`` (``[Nq, C, Lq]`` when ``save_aux``, else None)."""
     device = queries.device
     if max_len is None:
@@ -495,8 +499,10 @@ def _dense_dd_output(documents, offsets, dtype, device):
     return (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dtype, device=device)
 
 
-def backward(grad, queries, documents, queries_mask, documents_mask, offsets, max_len, aux, candidates,
-             smooth_tau, need_dq, need_dd, grad_dtype=None):
+def backward(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
+             documents_mask: Optional[Tensor], offsets: Optional[Tensor], max_len: int, aux: Tensor,
+             candidates: int, smooth_tau: Optional[float], need_dq: bool, need_dd: bool,
+             grad_dtype: Optional[torch.dtype] = None) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``max_len``: the longest document (ragged) or Ld (padded); sizes the dD grid without a host sync.
 
     Launches: the hard max with both gradients, one (dQ's programs and dD's in the same grid); otherwise one per

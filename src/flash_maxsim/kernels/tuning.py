@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
 import triton
@@ -218,15 +218,17 @@ ONE_DOCUMENT_PER_PROGRAM = dict(PROGRAMS_PER_SM=0, PEEL_EACH_DOC=False, MAXNREG=
 FORWARD_SWITCHES = ("ROWS", "INT8_PRODUCTS", "FP8_PRODUCTS")
 
 
-def eight_bit_products(documents: torch.Tensor, document_scales, d: int, save_aux: bool):
+def eight_bit_products(documents: torch.Tensor, document_scales: Optional[torch.Tensor], d: int,
+                       save_aux: bool) -> Optional[str]:
     """:func:`flash_maxsim._types.eight_bit_products` under this module's switches (INT8_PRODUCTS / FP8_PRODUCTS)."""
     return _types.eight_bit_products(documents, document_scales, d, save_aux,
                                      int8=FORWARD_OVERRIDES.get("INT8_PRODUCTS", True),
                                      fp8=FORWARD_OVERRIDES.get("FP8_PRODUCTS", True))
 
 
-def forward_config(Nq, C, Lq, max_len, d, paired, save_aux, dtype=torch.bfloat16, products=None,
-                   smooth=False) -> ForwardConfig:
+def forward_config(Nq: int, C: int, Lq: int, max_len: int, d: int, paired: bool, save_aux: bool,
+                   dtype: torch.dtype = torch.bfloat16, products: Optional[str] = None,
+                   smooth: bool = False) -> ForwardConfig:
     """The forward's tiles and grid for ``Nq`` queries of ``Lq`` tokens against ``C`` documents (or candidates per
     query, ``paired``) of up to ``max_len`` tokens of ``d`` features. ``save_aux``: the training forward (arg-max or
     log-sum-exp saved); ``products``: ``"int8"`` / ``"fp8"`` for 8-bit products (``eight_bit_products``), None
@@ -457,8 +459,9 @@ def dq_column_splits(programs: int, C: int, partial_bytes: int, budget_bytes: in
     return splits
 
 
-def backward_config(Nq, C, Lq, d, longest, paired, dtype, smooth, need_dq, need_dd, grad_dtype=None,
-                    upcast=False) -> BackwardConfig:
+def backward_config(Nq: int, C: int, Lq: int, d: int, longest: int, paired: bool, dtype: torch.dtype,
+                    smooth: bool, need_dq: bool, need_dd: bool, grad_dtype: Optional[torch.dtype] = None,
+                    upcast: bool = False) -> BackwardConfig:
     """The backward's methods and tiles for ``Nq`` queries of ``Lq`` tokens against ``C`` documents (or candidates
     per query, ``paired``), the longest of ``longest`` tokens, inputs of ``dtype``; ``grad_dtype``: the gradients'
     dtype when asked for (fp32), else the inputs'; ``upcast``: the interpreter's fp32 products."""
@@ -548,7 +551,7 @@ class Overrides(collections.abc.MutableMapping):
 
     __slots__ = ("kind", "names", "target", "_values", "key")
 
-    def __init__(self, kind: str, names, values=(), target=None):
+    def __init__(self, kind: str, names: Iterable[str], values: Any = (), target: Optional[tuple] = None) -> None:
         self.kind, self.names, self.target = kind, frozenset(names), target
         self._values: dict = {}
         self.key = None
@@ -556,17 +559,17 @@ class Overrides(collections.abc.MutableMapping):
         self._refresh()
 
     @classmethod
-    def forward(cls, values=(), **fields) -> "Overrides":
+    def forward(cls, values: Any = (), **fields: Any) -> "Overrides":
         """Forward overrides holding only ``values`` and ``fields`` (e.g. for ``monkeypatch.setattr(tuning,
         "FORWARD_OVERRIDES", ...)``), for the active target."""
         return cls("forward", _FORWARD_NAMES, {**dict(values), **fields}, _target)
 
     @classmethod
-    def backward(cls, values=(), **fields) -> "Overrides":
+    def backward(cls, values: Any = (), **fields: Any) -> "Overrides":
         """Backward overrides holding only ``values`` and ``fields``, for the active target."""
         return cls("backward", _BACKWARD_NAMES, {**dict(values), **fields}, _target)
 
-    def merged(self, fields: dict, target=None) -> "Overrides":
+    def merged(self, fields: dict, target: Optional[tuple] = None) -> "Overrides":
         """A new mapping of these overrides and ``fields`` (theirs win), for ``target`` (default: this one's)."""
         return Overrides(self.kind, self.names, {**self._values, **fields},
                          self.target if target is None else target)
@@ -590,7 +593,7 @@ class Overrides(collections.abc.MutableMapping):
     def __contains__(self, name):
         return name in self._values
 
-    def get(self, name, default=None):
+    def get(self, name: str, default: Any = None) -> Any:
         return self._values.get(name, default)
 
     def __iter__(self):
@@ -628,18 +631,18 @@ def _overridden(name: str, fields: dict):
         globals()[name] = saved
 
 
-def override_forward(**fields):
+def override_forward(**fields: Any) -> ContextManager[Overrides]:
     """A context within which forward plans take these fields (``FORWARD_OVERRIDES`` with them added)."""
     return _overridden("FORWARD_OVERRIDES", fields)
 
 
-def override_backward(**fields):
+def override_backward(**fields: Any) -> ContextManager[Overrides]:
     """A context within which backward plans take these fields (``BACKWARD_OVERRIDES`` with them added)."""
     return _overridden("BACKWARD_OVERRIDES", fields)
 
 
 @contextlib.contextmanager
-def override_target(sms: Optional[int] = None, capability: Optional[tuple] = None):
+def override_target(sms: Optional[int] = None, capability: Optional[tuple] = None) -> Iterator[None]:
     """Within the block, the policy tunes for a GPU of ``sms`` SMs and this compute capability (whether it copies
     tiles by TMA) instead of the current device's: e.g. to compile for a GPU that is not there."""
     global _target, FORWARD_OVERRIDES, BACKWARD_OVERRIDES

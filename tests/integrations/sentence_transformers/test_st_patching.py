@@ -157,8 +157,12 @@ def test_a_use_kernels_model_scores_with_flash_maxsim_while_enabled(flash_calls)
     """sentence-transformers >= 6.3 with the ``kernels`` package: a model built with ``use_kernels=True`` holds a
     hub-kernel MaxSim scorer (on the CPU it falls back to sentence-transformers' torch code, the oracle). Enabled,
     flash_maxsim scores in its place and the hub kernels are never configured (nothing is downloaded)."""
-    pytest.importorskip("kernels")
-    from sentence_transformers.multi_vector_encoder.scoring.colbert import _MaxSimScorer
+    pytest.importorskip("kernels")        # transformers 5.25 installs it, whatever the sentence-transformers version
+    from sentence_transformers.multi_vector_encoder.scoring import colbert
+
+    if not hasattr(colbert, "_MaxSimScorer"):
+        pytest.skip("sentence-transformers < 6.3 has no hub-kernel MaxSim scorer")
+    _MaxSimScorer = colbert._MaxSimScorer
 
     from st_cases import model_dir
 

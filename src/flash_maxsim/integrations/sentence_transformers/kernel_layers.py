@@ -5,14 +5,18 @@ this package (``integrations/st_kernel_repo``), loaded by the `kernels` package,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._patches import import_toolkit
+
+if TYPE_CHECKING:
+    from transformers import KernelConfig
 
 #: The `kernels` layer repository (``torch-universal/`` holds the layers and their metadata).
 KERNEL_REPOSITORY = Path(__file__).parent.parent / "st_kernel_repo"
 
 
-def kernel_config():
+def kernel_config() -> "KernelConfig":
     """A ``transformers.KernelConfig`` that makes a sentence-transformers (>= 6.3) ``MultiVectorEncoder`` score
     MaxSim with flash_maxsim, that model only, with nothing patched::
 

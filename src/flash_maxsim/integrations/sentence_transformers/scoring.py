@@ -6,14 +6,14 @@ layers run."""
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 from torch import Tensor
 
 import flash_maxsim as _flash
 
-from .._inputs import as_tensor, length_mask, shape_of
+from .._inputs import ArrayLike, as_tensor, length_mask, shape_of
 from ._sides import Side, as_embeddings, check_dims, has_weights, kernel_dtype, marks_padding, pad_items, \
     prepare_queries, read_side, result_device
 
@@ -86,7 +86,9 @@ def _score(name: str, a, b, a_mask, b_mask, chunk_elements, length_normalize, de
 # util.similarity
 # --------------------------------------------------------------------------------------------------------------
 
-def maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize=False, device=None) -> Tensor:
+def maxsim(a: ArrayLike, b: ArrayLike, a_mask: Optional[ArrayLike] = None, b_mask: Optional[ArrayLike] = None,
+           chunk_elements: Optional[int] = None, length_normalize: bool = False,
+           device: Union[str, torch.device, None] = None) -> Tensor:
     """``sentence_transformers.util.similarity.maxsim`` on flash_maxsim: ``[len(a), len(b)]`` float32 scores,
     ``sum_i max_j a_i . b_j`` over real query tokens ``i`` and scoreable document tokens ``j``.
 
@@ -133,8 +135,9 @@ def _all_pairs_scores(documents: Side, Q, qmask, scoring_device, dtype, chunk_el
     return scores, empty.to(scoring_device)[None, :]
 
 
-def maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize=False,
-                    device=None) -> Tensor:
+def maxsim_pairwise(a: ArrayLike, b: ArrayLike, a_mask: Optional[ArrayLike] = None, b_mask: Optional[ArrayLike] = None,
+                    chunk_elements: Optional[int] = None, length_normalize: bool = False,
+                    device: Union[str, torch.device, None] = None) -> Tensor:
     """``sentence_transformers.util.similarity.maxsim_pairwise`` on flash_maxsim: ``[N]`` float32 scores,
     MaxSim of ``a[i]`` against ``b[i]``. Same inputs and rules as :func:`maxsim`; ragged document lists are
     padded here (the fused per-pair layout is padded)."""
@@ -212,15 +215,18 @@ def _paired(Q: Tensor, qmask: Tensor, D: Tensor, valid: Tensor) -> Tensor:
     return _flash.maxsim(Q, D, qmask, valid, masked="exclude")
 
 
-def mean_maxsim(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize=True, device=None) -> Tensor:
+def mean_maxsim(a: ArrayLike, b: ArrayLike, a_mask: Optional[ArrayLike] = None, b_mask: Optional[ArrayLike] = None,
+                chunk_elements: Optional[int] = None, length_normalize: bool = True,
+                device: Union[str, torch.device, None] = None) -> Tensor:
     """``sentence_transformers.util.similarity.mean_maxsim`` (MeanMaxSim) on flash_maxsim: :func:`maxsim`
     divided by each query's real token count."""
     return maxsim(a, b, a_mask=a_mask, b_mask=b_mask, chunk_elements=chunk_elements,
                   length_normalize=length_normalize, device=device)
 
 
-def mean_maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, length_normalize=True,
-                         device=None) -> Tensor:
+def mean_maxsim_pairwise(a: ArrayLike, b: ArrayLike, a_mask: Optional[ArrayLike] = None, b_mask: Optional[ArrayLike] = None,
+                         chunk_elements: Optional[int] = None, length_normalize: bool = True,
+                         device: Union[str, torch.device, None] = None) -> Tensor:
     """``sentence_transformers.util.similarity.mean_maxsim_pairwise`` on flash_maxsim."""
     return maxsim_pairwise(a, b, a_mask=a_mask, b_mask=b_mask, chunk_elements=chunk_elements,
                            length_normalize=length_normalize, device=device)
@@ -230,8 +236,9 @@ def mean_maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, le
 # The drop-ins: multi_vector_encoder.scoring (the losses' similarity_fct)
 # --------------------------------------------------------------------------------------------------------------
 
-def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                   chunk_elements=None, length_normalize=False) -> Tensor:
+def colbert_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                   queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                   chunk_elements: Optional[int] = None, length_normalize: bool = False) -> Tensor:
     """``multi_vector_encoder.scoring.colbert_scores`` on flash_maxsim, in one fused call: queries
     ``[Q, q_tokens, dim]`` against stacked document groups ``[D, N, d_tokens, dim]`` -> ``[Q, D * N]``,
     query-major (the positive of query ``i`` at column ``i * N``). The default ``similarity_fct`` of
@@ -255,16 +262,18 @@ def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, 
     return scores.reshape(scores.shape[0], groups * size)
 
 
-def colbert_scores_pairwise(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                            chunk_elements=None, length_normalize=False) -> Tensor:
+def colbert_scores_pairwise(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                            queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                            chunk_elements: Optional[int] = None, length_normalize: bool = False) -> Tensor:
     """``multi_vector_encoder.scoring.colbert_scores_pairwise`` on flash_maxsim: ``[B]`` MaxSim of matched
     pairs. The default ``similarity_fct`` of ``MultiVectorMarginMSELoss``."""
     return maxsim_pairwise(queries_embeddings, documents_embeddings, a_mask=queries_mask, b_mask=documents_mask,
                            chunk_elements=chunk_elements, length_normalize=length_normalize)
 
 
-def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                      chunk_elements=None, length_normalize=False) -> Tensor:
+def colbert_kd_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                      queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                      chunk_elements: Optional[int] = None, length_normalize: bool = False) -> Tensor:
     """``multi_vector_encoder.scoring.colbert_kd_scores`` on flash_maxsim, in one fused call: each query
     ``[B, q_tokens, dim]`` against its own candidates ``[B, n_ways, d_tokens, dim]`` -> ``[B, n_ways]``. The
     default ``similarity_fct`` of ``MultiVectorDistillKLDivLoss``."""
@@ -299,24 +308,27 @@ def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=Non
     return _finish(scores, ~valid.any(-1), counts if length_normalize else None, device)
 
 
-def mean_colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                        chunk_elements=None, length_normalize=True) -> Tensor:
+def mean_colbert_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                        queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                        chunk_elements: Optional[int] = None, length_normalize: bool = True) -> Tensor:
     """MeanMaxSim :func:`colbert_scores` (``multi_vector_encoder.scoring.mean_colbert_scores``)."""
     return colbert_scores(queries_embeddings, documents_embeddings, queries_mask=queries_mask,
                           documents_mask=documents_mask, chunk_elements=chunk_elements,
                           length_normalize=length_normalize)
 
 
-def mean_colbert_scores_pairwise(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                                 chunk_elements=None, length_normalize=True) -> Tensor:
+def mean_colbert_scores_pairwise(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                                 queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                                 chunk_elements: Optional[int] = None, length_normalize: bool = True) -> Tensor:
     """MeanMaxSim :func:`colbert_scores_pairwise` (``multi_vector_encoder.scoring.mean_colbert_scores_pairwise``)."""
     return colbert_scores_pairwise(queries_embeddings, documents_embeddings, queries_mask=queries_mask,
                                    documents_mask=documents_mask, chunk_elements=chunk_elements,
                                    length_normalize=length_normalize)
 
 
-def mean_colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                           chunk_elements=None, length_normalize=True) -> Tensor:
+def mean_colbert_kd_scores(queries_embeddings: ArrayLike, documents_embeddings: ArrayLike,
+                           queries_mask: Optional[ArrayLike] = None, documents_mask: Optional[ArrayLike] = None,
+                           chunk_elements: Optional[int] = None, length_normalize: bool = True) -> Tensor:
     """MeanMaxSim :func:`colbert_kd_scores` (``multi_vector_encoder.scoring.mean_colbert_kd_scores``)."""
     return colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=queries_mask,
                              documents_mask=documents_mask, chunk_elements=chunk_elements,
