@@ -236,6 +236,21 @@ def measure_roofline(m: Machine) -> dict:
             "mm_n": mm_n, "mm_ms": mm_ms, "bf16_mm_flops": m.mm_flops}
 
 
+def measure_host_to_device(m: Machine) -> dict:
+    """The pinned host-to-device copy bandwidth, measured now: the ceiling of any index streamed from host memory.
+    On the CPU (smoke runs) a host-to-host copy stands in, and pinning is skipped."""
+    nbytes = 1024 * MB if m.cuda else 8 * MB
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=m.cuda)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=m.device)
+    ms = m.timer.median_ms(lambda: dst.copy_(src, non_blocking=True))
+    src = dst = None
+    m.release()
+    bw = nbytes / (ms * 1e-3)
+    log.info("pinned host-to-device copy: %.1f GB/s", bw / 1e9)
+    return {"h2d_bytes": nbytes, "h2d_ms": ms, "h2d_Bps": bw, "h2d_pinned": m.cuda}
+
+
 def measure_8bit_rates(m: Machine) -> dict:
     """The int8 (``torch._int_mm``, int32 accumulation) and fp8 e4m3 (``torch._scaled_mm``, fast accumulation)
     matmul rates, measured now: the compute ceilings of 8-bit tensor cores for the compressed section's floors.
@@ -297,9 +312,23 @@ def skipped(reason: str) -> dict:
     return {"status": "skipped", "error": reason}
 
 
-def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object], dict]) -> dict:
+def timed_call_ms(m: Machine, fn: Callable[[], object]) -> float:
+    """Wall milliseconds of one synchronised call of ``fn``."""
+    m.sync()
+    t0 = time.perf_counter()
+    out = fn()
+    m.sync()
+    del out
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object], dict],
+               slow_ms: Optional[float] = None) -> dict:
     """``call(*inputs)``: first on ``sets[0]`` (timed as first-call time, then checked), then its peak memory,
-    then its median time cycling through every input set. Failures are recorded, never raised."""
+    then its median time cycling through every input set. Failures are recorded, never raised.
+
+    ``slow_ms``: a call found slower than this (once warm) is timed as the median of two calls instead (its
+    ``timing`` says so): do_bench's estimate, warm-up and repetitions would cost at least eight calls."""
     res: dict = {"status": "ok"}
     try:
         m.sync()
@@ -313,6 +342,13 @@ def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object],
             res["status"] = "wrong"
         res["peak_mb"] = m.peak_extra_mb(lambda: call(*sets[0]))
         rotation = itertools.cycle(sets)
+        if slow_ms is not None:
+            warm = timed_call_ms(m, lambda: call(*next(rotation)))
+            if warm > slow_ms:
+                res["ms"] = statistics.median([warm, timed_call_ms(m, lambda: call(*next(rotation)))])
+                res["timing"] = "median of 2 calls (slow)"
+                m.release()
+                return res
         res["ms"] = m.timer.median_ms(lambda: call(*next(rotation)))
     except torch.cuda.OutOfMemoryError as exc:
         res = {"status": "oom", "error": error_text(exc)[:120]}
@@ -321,6 +357,50 @@ def run_method(m: Machine, call: Callable, sets: list, check: Callable[[object],
         res = {"status": "error", "error": error_text(exc)}
     m.release()
     return res
+
+
+# host cost: steps run before a timed pass, and the names of the CUDA driver and runtime calls that launch a kernel
+HOST_WARMUP_STEPS = 10
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_pass_us(m: Machine, step: Callable[[], object], n: int) -> dict:
+    """``n`` calls of ``step`` back to back after a warm-up, one synchronisation at the end: microseconds per step
+    (``us``, what a training loop without CUDA graphs gets), and the part before the synchronisation
+    (``enqueue_us``: the host's own time per step when the GPU keeps up)."""
+    for _ in range(HOST_WARMUP_STEPS):
+        step()
+    m.sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    m.sync()
+    t2 = time.perf_counter()
+    return {"us": (t2 - t0) / n * 1e6, "enqueue_us": (t1 - t0) / n * 1e6}
+
+
+def profiled_step(m: Machine, step: Callable[[], object], n: int) -> dict:
+    """``n`` steps under ``torch.profiler``: per step, the GPU's kernel time (``gpu_us``: every kernel, memset and
+    copy, summed; None on the CPU), the kernels run (``kernels``), the host's kernel-launch calls (``launches``)
+    and the aten operators dispatched, nested ones included (``aten_ops``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if m.cuda else [])
+    step()
+    m.sync()
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        m.sync()
+    events = prof.events()
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    out = {"aten_ops": sum(e.name.startswith("aten::") for e in events if e.device_type == DeviceType.CPU) / n,
+           "launches": sum(e.name in LAUNCH_CALLS for e in events) / n, "gpu_us": None, "kernels": None}
+    if m.cuda:
+        out["gpu_us"] = sum(e.time_range.elapsed_us() for e in device) / n
+        out["kernels"] = len(device) / n
+    return out
 
 
 def interleave_rounds(m: Machine, calls: dict, results: dict, rounds: int) -> None:

@@ -19,6 +19,19 @@ The peers are read for facts (their public call signatures), never copied:
 
 Neither peer has a smooth (log-sum-exp) max: :meth:`Peer.train_scores` returns None for it.
 
+Top-k over a corpus, :meth:`Peer.topk_variant` (search_bench.py); both take a padded ``[N, Ld, d]`` corpus only:
+
+- late-interaction-kernels 0.4.5 ``retrieve(Q, D, top_k, q_mask=None, d_mask=None, *, normalize=True, chunk=None)``
+  -> ``(scores, indices)`` ``[Nq, top_k]``: its ``maxsim`` forward per chunk of ``chunk`` documents and a running
+  ``torch.topk`` (exact). Called with ``normalize=False`` (the benchmark's tokens are unit vectors already) and a
+  chunk below 2^31 elements (see ``PEER_MAX_ELEMENTS`` in _sections.py).
+- flash-maxsim 0.3.0 ``flash_maxsim_topk(Q [Lq, d], D [N, Ld, d], k, doc_lengths=None, n_candidates=None,
+  D_int8=None, scales=None, mins=None)`` -> ``([k], [k])``: one query; an approximate two-stage search, its
+  int8 kernel over every document (per-token affine uint8 from its ``quantize_int8(D) -> (uint8, scales, mins)``,
+  passed pre-quantised as its docstring recommends) and an fp16 re-score of the best ``n_candidates`` (default
+  4k). So it keeps the corpus twice (fp16 and uint8). Called once per query, on chunks below 2^31 elements whose
+  results are merged with ``torch.topk``.
+
 Compressed (8-bit) document paths, :meth:`Peer.compressed_variants`; both peers quantise the queries as well:
 
 - flash-maxsim 0.3.0 ``flash_maxsim_int8x8(Q [Lq, d], D_int8 [B, Ld, d], d_scales [B, Ld(, 1)], Q_int8=None,
@@ -69,6 +82,18 @@ class CompressedVariant:
     note: Callable[[], Optional[str]] = lambda: None
 
 
+@dataclass
+class TopKVariant:
+    """A peer's top-k over one prepared corpus: ``call(queries [Nq, Lq, d], k)`` -> ``(scores, indices)`` ``[Nq, k]``.
+    ``index_bytes``: what the peer keeps resident besides the padded corpus (its quantised copy); ``exact``: False
+    for an approximate search."""
+
+    name: str
+    call: Callable[[torch.Tensor, int], tuple]
+    index_bytes: int = 0
+    exact: bool = True
+
+
 def tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -100,6 +125,13 @@ class Peer:
         """The peer's 8-bit document paths for ``num_queries`` queries against ``[B, Ld, d]`` documents (empty
         when it has none for that case). The benchmark keeps the fastest one whose arithmetic checks out."""
         return []
+
+    def topk_variant(self, documents: torch.Tensor, documents_mask: torch.Tensor, lengths: torch.Tensor,
+                     chunk: int) -> Optional[TopKVariant]:
+        """The peer's top-k over the padded corpus ``documents`` ``[N, Ld, d]`` (``documents_mask`` ``[N, Ld]``
+        bool, ``lengths`` ``[N]``), ``chunk`` documents per kernel call at most; index-time work (quantising) is
+        done here, outside the timed calls. None when the peer has no top-k."""
+        return None
 
 
 def _per_token_dequant(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -165,6 +197,15 @@ class _LateInteractionKernels(Peer):
         return (make("per-token scales", fp8.quantize_fp8_per_token, fp8.dequantize_fp8_per_token)
                 + make("per-tensor scales", fp8.quantize_fp8_per_tensor, fp8.dequantize_fp8_per_tensor))
 
+    def topk_variant(self, documents, documents_mask, lengths, chunk):
+        retrieve = self.module.retrieve
+        chunk = chunk if chunk < documents.shape[0] else None
+
+        def call(queries, k):
+            return retrieve(queries, documents, top_k=k, d_mask=documents_mask, normalize=False, chunk=chunk)
+
+        return TopKVariant("retrieve(normalize=False" + (f", chunk={chunk})" if chunk else ")"), call)
+
 
 class _FlashMaxsimPypi(Peer):
     def forward_variants(self, queries, documents):
@@ -216,6 +257,38 @@ class _FlashMaxsimPypi(Peer):
                                                                                     q_scales=qs).unsqueeze(0),
                               index_nbytes=index_nbytes, dequantized=dequantized),
         ]
+
+    def topk_variant(self, documents, documents_mask, lengths, chunk):
+        m = self.module
+        N, Ld, d = documents.shape
+        # its own quantised copy, made chunk by chunk: quantize_int8 converts its input to fp32 whole
+        d_int8 = torch.empty((N, Ld, d), dtype=torch.uint8, device=documents.device)
+        scales = torch.empty((N, Ld, 1), dtype=torch.float16, device=documents.device)
+        mins = torch.empty_like(scales)
+        step = max(1, (256 * 2**20) // (Ld * d * 4))
+        for s in range(0, N, step):
+            d_int8[s:s + step], scales[s:s + step], mins[s:s + step] = m.quantize_int8(documents[s:s + step])
+        lengths = lengths.to(torch.int32)
+        bounds = [(s, min(N, s + chunk)) for s in range(0, N, chunk)]
+
+        def one_query(q, k):
+            parts = [m.flash_maxsim_topk(q, documents[s:e], k, doc_lengths=lengths[s:e], D_int8=d_int8[s:e],
+                                         scales=scales[s:e], mins=mins[s:e]) for s, e in bounds]
+            if len(parts) == 1:
+                return parts[0]
+            values = torch.cat([p[0].float() for p in parts])
+            where = torch.cat([p[1] + s for p, (s, _) in zip(parts, bounds)])
+            top = torch.topk(values, min(k, values.numel()))
+            return top.values, where[top.indices]
+
+        def call(queries, k):
+            found = [one_query(q, k) for q in queries]
+            return torch.stack([f[0].float() for f in found]), torch.stack([f[1] for f in found])
+
+        name = "flash_maxsim_topk(D_int8=, scales=, mins=), one query a call"
+        if len(bounds) > 1:
+            name += f", per {chunk}-document chunk, merged"
+        return TopKVariant(name, call, index_bytes=tensor_bytes(d_int8, scales, mins), exact=False)
 
 
 _KNOWN = {

@@ -1,9 +1,11 @@
-"""The benchmark's three measured sections, each a list of rows (one per shape) of per-method results:
+"""The benchmark's measured sections, each a list of rows (one per shape) of per-method results:
 
 - forward scoring: flash_maxsim against eager PyTorch (bf16 and fp32), colpali-engine's chunked loop and the
   peers' kernels;
 - training step (scores -> loss -> gradients of queries and documents): flash_maxsim against eager autograd and
   the peers' autograd paths, also replayed from CUDA graphs (the GPU's time alone);
+- host cost of the eager training step: steps back to back, one synchronisation at the end, microseconds per
+  step for flash_maxsim, the peers and PyTorch's share of the step alone, with each step's GPU time (profiler);
 - compressed index: flash_maxsim on an int8 / fp8 index against the peers' 8-bit paths, with index bytes,
   fidelity to the unquantised float64 scores and the 8-bit compute floors.
 
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from _measure import (MB, Machine, brief, element_size, error_text, interleave_rounds, run_method, skipped,
-                      unit_tokens)
+from _measure import (MB, Machine, brief, element_size, error_text, host_pass_us, interleave_rounds, profiled_step,
+                      run_method, skipped, unit_tokens)
 from _peers import CompressedVariant, tensor_bytes
-from _shapes import CONTRASTIVE_TEMPERATURE, COMPRESSED_TARGET_BYTES, TrainShape
+from _shapes import CONTRASTIVE_TEMPERATURE, COMPRESSED_TARGET_BYTES, HOST_MARGIN_US, TrainShape
 
 log = logging.getLogger("flash_maxsim.bench")
 
@@ -431,6 +434,110 @@ def run_training_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed
                 if row["results"][key].get("ms") is not None:
                     row["results"][key].update(_graphed_step_ms(m, step, step_sets[0]))
         sets = truth = calls = None  # free this shape's inputs before the next one
+        m.release()
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- host cost
+
+HOST_METHODS = ("ours", "fmpypi", "lik", "pytorch_share")
+HOST_STEPS = 200            # steps per timed pass on the GPU (3 on the CPU)
+HOST_PROFILED_STEPS = 20    # steps under torch.profiler for the GPU time (2 on the CPU)
+
+
+def _host_method(m: Machine, key: str, shape: TrainShape, peers, peer_missing):
+    """(the score function of ``key``, None), or (None, the skipped result saying why it cannot run here)."""
+    if key == "ours":
+        return ours_train_scores(shape.layout, shape.smooth_tau), None
+    peer, skip = _peer_or_skip(m, key, peers, peer_missing)
+    if skip:
+        return None, skip
+    fn = peer.train_scores(shape.layout, shape.smooth_tau)
+    return (fn, None) if fn is not None else (None, skipped(f"{peer.label} has no {shape.layout} training path"))
+
+
+def run_host_rows(m: Machine, shapes, method_keys, peers, peer_missing, seed=0, rounds=3) -> list[dict]:
+    """The eager training step (scores -> loss -> ``autograd.grad`` of queries and documents), as a training loop
+    without CUDA graphs runs it: ``HOST_STEPS`` steps back to back, one synchronisation at the end, microseconds
+    per step, timed in ``rounds`` alternating passes (median). ``pytorch_share`` is the loss and its gradient over a
+    leaf tensor of scores alone: no scoring function makes a step cheaper on the same host. Each method's first
+    step is checked (ours against the float64 reference, the peers against ours); each step is then profiled for
+    its GPU time, kernels and launches."""
+    n = HOST_STEPS if m.cuda else 3
+    n_profiled = HOST_PROFILED_STEPS if m.cuda else 2
+    rows = []
+    for shape in shapes:
+        Nq, B, Lq, Ld, d = shape.Nq, shape.B, shape.Lq, shape.Ld, shape.d
+        row = {"name": shape.name, "Nq": Nq, "B": B, "Lq": Lq, "Ld": Ld, "d": d, "layout": shape.layout,
+               "dtype": str(m.dtype), "steps": n, "margin_us": HOST_MARGIN_US, "results": {}}
+        rows.append(row)
+        if _skip_row(m, row, method_keys):
+            continue
+        log.info("[%5.0fs] host %s", m.budget.elapsed(), shape.name)
+        gen = torch.Generator(device=m.device).manual_seed(seed)
+        doc_shape = (Nq, B, Ld, d) if shape.layout == "kd" else (B, Ld, d)
+        q, docs = unit_tokens((Nq, Lq, d), m, gen, True), unit_tokens(doc_shape, m, gen, True)
+        loss_fn = _loss_fn(shape, m, gen)
+        truth: dict = {}
+        calls: dict = {}
+        for key in method_keys:
+            results = row["results"]
+            if m.budget.spent():
+                results[key] = skipped("time budget spent")
+                continue
+            if key == "pytorch_share":
+                leaf = torch.zeros((Nq, B), device=m.device, requires_grad=True)
+                calls[key] = lambda leaf=leaf: torch.autograd.grad(loss_fn(leaf), leaf)
+                results[key] = {"status": "ok"}
+                continue
+            score_fn, skip = _host_method(m, key, shape, peers, peer_missing)
+            if skip:
+                results[key] = skip
+                continue
+            step = _train_step(score_fn, loss_fn)
+            r = {"status": "ok"} if key == "ours" else {"status": "ok", "peer": next(p.label for p in peers
+                                                                                   if p.key == key)}
+            try:
+                s, gq, gd = step(q, docs)
+                if key == "ours":
+                    truth.update(scores=s.detach().float(), gq=gq.float(), gd=gd.float())
+                    r.update(check_against_reference(q, docs, shape.layout, shape.smooth_tau, train=True))
+                    r["ok"] = r["ref_ok"]
+                elif truth:
+                    diff = max_abs_diff(s, truth["scores"])
+                    tol = score_tolerance("fp32", truth["scores"], Lq, m.dtype)
+                    grad_err = max(rel_error(gq, truth["gq"]), rel_error(gd, truth["gd"]))
+                    r.update(max_abs_diff=diff, tol=tol, grad_rel_err=grad_err, grad_tol=2e-2,
+                             ok=bool(diff <= tol and grad_err <= 2e-2))
+                if r.get("ok") is False:
+                    r["status"] = "wrong"
+            except Exception as exc:
+                log.debug("host step failed", exc_info=True)
+                results[key] = {"status": "error", "error": error_text(exc)}
+                continue
+            results[key] = r
+            calls[key] = lambda step=step: step(q, docs)
+        passes: dict = {key: [] for key in calls}
+        for _ in range(max(1, rounds)):          # alternating passes: host drift hits every method alike
+            for key in list(calls):
+                try:
+                    passes[key].append(host_pass_us(m, calls[key], n))
+                except Exception as exc:
+                    log.debug("host pass failed", exc_info=True)
+                    row["results"][key] = {"status": "error", "error": error_text(exc)}
+                    del calls[key], passes[key]
+        for key, timed in passes.items():
+            r = row["results"][key]
+            us = [p["us"] for p in timed]
+            r.update(us=statistics.median(us), us_rounds=us,
+                     enqueue_us=statistics.median(p["enqueue_us"] for p in timed))
+            try:
+                r.update(profiled_step(m, calls[key], n_profiled))
+            except Exception as exc:     # the timing stands without the profile
+                r["profile_error"] = error_text(exc)[:160]
+            log.info("    %-14s %.1f us per step (enqueue %.1f us), GPU %s us", key, r["us"], r["enqueue_us"],
+                     "n/a" if r.get("gpu_us") is None else f"{r['gpu_us']:.1f}")
+        q = docs = truth = calls = None
         m.release()
     return rows
 

@@ -79,6 +79,15 @@ TRAIN_SHAPES = [
                (1.79, 601), "0.99 / 301", 0.40, 64),
 ]
 
+# The eager training step's host cost: steps back to back, one sync at the end (microseconds per step). A small
+# in-batch step and the ColBERT B128 training row, d = 128; goal: ours at most PyTorch's share of the step (the
+# loss and its backward over a leaf tensor of scores) plus HOST_MARGIN_US, and never above a peer.
+HOST_SHAPES = [
+    TrainShape("in-batch B8, 32x64", 8, 8, 32, 64, 128, "inbatch"),
+    TRAIN_SHAPES[0],
+]
+HOST_MARGIN_US = 150.0
+
 # Compressed index (one bf16 query against an int8 / fp8 index): time targets, and index bytes at most
 # COMPRESSED_TARGET_BYTES of the bf16 index
 COMPRESSED_SHAPES = [

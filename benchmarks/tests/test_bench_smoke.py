@@ -19,7 +19,7 @@ def test_cpu_smoke_run_writes_results_that_render(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["meta"]["smoke"] and res["meta"]["timer"] == "perf_counter"
-    sections = {"forward": 12, "training": 6, "compressed": 3, "forward_sweep": 3, "training_sweep": 2}
+    sections = {"forward": 12, "training": 6, "host": 2, "compressed": 3, "forward_sweep": 3, "training_sweep": 2}
     assert {k: len(res[k]) for k in sections} == sections
     for key in ("forward", "training", "forward_sweep", "training_sweep"):
         for row in res[key]:
@@ -29,6 +29,12 @@ def test_cpu_smoke_run_writes_results_that_render(tmp_path):
             assert eager["status"] == "ok" and eager["ok"], (key, row["name"], eager)
             # the peers' kernels need CUDA (or the interpreter): recorded as skipped, never raised
             assert {row["results"][k]["status"] for k in ("lik", "fmpypi")} == {"skipped"}
+    for row in res["host"]:
+        ours, share = row["results"]["ours"], row["results"]["pytorch_share"]
+        assert ours["status"] == "ok" and ours["ref_ok"] and ours["us"] > 0 and len(ours["us_rounds"]) == 3, ours
+        assert share["status"] == "ok" and 0 < share["us"] and share["aten_ops"] > 0, share
+        assert ours["gpu_us"] is None and ours["aten_ops"] > share["aten_ops"], ours     # no GPU; more operators
+        assert {row["results"][k]["status"] for k in ("lik", "fmpypi")} == {"skipped"}
     for row in res["compressed"]:
         for key in ("ours_int8", "ours_fp8", "ours_exact"):
             r = row["results"][key]

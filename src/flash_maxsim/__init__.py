@@ -11,11 +11,14 @@ from . import _name_clash, reference
 from ._api import maxsim
 from ._types import PackedDocuments, QuantizedDocuments
 from ._layout import pack
+from ._index import DocumentIndex, IndexSearchResult
+from ._search import SearchResult, search
 from .quantization import quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["maxsim", "pack", "PackedDocuments", "quantize", "QuantizedDocuments", "reference", "__version__"]
+__all__ = ["maxsim", "search", "SearchResult", "DocumentIndex", "IndexSearchResult", "pack", "PackedDocuments", "quantize", "QuantizedDocuments",
+           "reference", "__version__"]
 
 
 def __getattr__(name: str) -> _NoReturn:

@@ -4,8 +4,9 @@ On CUDA the Triton kernels are checked against the float64 reference on a few st
 32x300, ColPali 32x1030, ragged documents, masks, smooth max, a training step) and timed against eager PyTorch
 (``einsum(...).amax(-1).sum(-1)``), with peak extra memory. On a CPU-only machine the same rows run on small
 shapes through the exact CPU path, and one tiny problem runs the Triton kernels under Triton's interpreter (in
-a subprocess with TRITON_INTERPRET=1) so that the kernels' code is verified too. Prints a table (or JSON with
-``--json``); exits non-zero if any check fails.
+a subprocess with TRITON_INTERPRET=1) so that the kernels' code is verified too, and the CPU benchmark's short
+form (run first) times the CPU path against eager PyTorch (and the Rust CPU peers, where installed) on two
+realistic shapes. Prints a table (or JSON with ``--json``); exits non-zero if any check fails.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import logging
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -26,13 +26,19 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _cpu_benchmark
+
 log = logging.getLogger("flash_maxsim.check")
 
 DESCRIPTION = ("Verify flash_maxsim on this machine: scores and gradients against the float64 reference, "
                "speed and peak memory against eager PyTorch (on the GPU if there is one, else on the CPU).")
 CPU_CAVEAT = ("On a CPU flash_maxsim runs an exact blocked PyTorch path, not the fused GPU kernels: these rows "
-              "check its numbers; at these small shapes speed and memory say little (benchmarks/cpu_bench.py "
-              "measures realistic ones). Peak memory on the CPU is the resident-set high-water mark.")
+              "check its numbers; at their small shapes speed and memory say little ({where}). Peak memory on "
+              "the CPU is the resident-set high-water mark.")
+CPU_CAVEAT_BENCHMARK = "the CPU benchmark after the table times realistic ones"
+CPU_CAVEAT_NO_BENCHMARK = "`flash-maxsim check --benchmark` times realistic ones"
+# rounds of the CPU benchmark's short form: it adds about 4 s of CPU time to a check (2-core AMD EPYC, torch 2.13)
+CPU_BENCHMARK_ROUNDS = 3
 ERROR_NOTE = ("error / tolerance: the largest error against the float64 reference divided by its tolerance "
               "(1 or less passes). Scores: absolute error, tolerance 2e-5 x the fp32 accumulation bound; "
               "gradients: relative error, tolerance 1e-4 (fp32) or 1e-2 (bf16); interpreted kernels: 1e-5.")
@@ -142,33 +148,6 @@ def eager_scores(q: torch.Tensor, documents: Documents, qmask: Optional[torch.Te
 
 # --- measurement -----------------------------------------------------------------------------------------------
 
-def _rss_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-def _return_freed_memory_to_the_system() -> None:
-    """glibc keeps large freed blocks mapped once its mmap threshold has adapted upwards, which hides later
-    peaks from the resident set; a fixed threshold makes every large allocation a fresh mapping."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _cpu_peak_supported() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                        # resets the resident-set high-water mark (Linux)
-        _rss_bytes("VmHWM")
-        return True
-    except OSError:
-        return False
-
-
 def peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
     """Peak memory above what was allocated before the call: the CUDA allocator's peak, or on Linux CPUs the
     resident-set high-water mark (reset through /proc/self/clear_refs)."""
@@ -179,11 +158,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    if not _cpu_peak_supported():
-        return None
-    before = _rss_bytes("VmRSS")
-    fn()
-    return max(0, _rss_bytes("VmHWM") - before)
+    return _cpu_benchmark.peak_rss_above_start(fn)
 
 
 def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -371,8 +346,34 @@ def format_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def report(results: Sequence[Result], where: str, version: str, device: str) -> dict:
-    """The outcome as plain data (what ``--json`` prints)."""
+def run_cpu_benchmark(rounds: int = CPU_BENCHMARK_ROUNDS) -> dict:
+    """The CPU benchmark's short form (rows ``_cpu_benchmark.CHECK_ROWS``): the CPU path, eager PyTorch and the
+    Rust CPU peers installed here, timed in interleaved rounds, with peak memory."""
+    rows = _cpu_benchmark.rows_named(_cpu_benchmark.CHECK_ROWS, _cpu_benchmark.ROWS)
+    peers = {dist: _version(dist) for dist in _cpu_benchmark.installed_peers()}
+    start = time.perf_counter()
+    measured = _cpu_benchmark.measure(
+        rows, rounds, log=lambda r: log.info("      %s: flash_maxsim %.1f ms, eager %.1f ms (%.2f of eager)",
+                                             r["row"], r["ms"]["flash_maxsim"], r["ms"]["eager"],
+                                             r["vs_eager"]["flash_maxsim"]))
+    return {"rounds": rounds, "torch_threads": torch.get_num_threads(), "peers": peers,
+            "seconds": round(time.perf_counter() - start, 2), "rows": measured}
+
+
+def format_cpu_benchmark(benchmark: dict) -> str:
+    """The CPU benchmark's table with a line on what it measured."""
+    peers = (", ".join(f"{k} {v}" for k, v in benchmark["peers"].items()) if benchmark["peers"]
+             else "none installed (maxsim-cpu, maxsim-fast, fast-maxsim)")
+    return (f"CPU benchmark: the CPU path against eager PyTorch on realistic shapes (fp32, d=128); median of "
+            f"{benchmark['rounds']} interleaved rounds, {benchmark['torch_threads']} torch threads, "
+            f"{benchmark['seconds']:.0f} s; Rust CPU peers: {peers}. (x) = time / eager's; MiB = peak resident "
+            f"memory above the call's start. The full set: benchmarks/cpu_bench.py (docs/benchmarks.md).\n\n"
+            + _cpu_benchmark.markdown(benchmark["rows"]))
+
+
+def report(results: Sequence[Result], where: str, version: str, device: str,
+           cpu_benchmark: Optional[dict] = None) -> dict:
+    """The outcome as plain data (what ``--json`` prints); ``cpu_benchmark`` is None where it did not run."""
     def finite(x: Optional[float]) -> Optional[float]:
         return x if x is None or math.isfinite(x) else None
 
@@ -383,6 +384,7 @@ def report(results: Sequence[Result], where: str, version: str, device: str) -> 
                     "error": finite(r.error), "tolerance": r.tolerance, "flash_ms": r.flash_ms,
                     "eager_ms": r.eager_ms, "flash_peak_bytes": r.flash_bytes, "eager_peak_bytes": r.eager_bytes,
                     "shape": r.shape} for r in results],
+        "cpu_benchmark": cpu_benchmark,
     }
 
 
@@ -391,10 +393,13 @@ def print_report(data: dict, results: Sequence[Result]) -> None:
     verdict = "all passed" if not failed else f"{len(failed)} FAILED"
     print(f"flash_maxsim {data['flash_maxsim']} on {data['where']}: {len(results)} checks, {verdict}")
     if data["device"] == "cpu":
-        print(f"\n{CPU_CAVEAT}")
+        where = CPU_CAVEAT_BENCHMARK if data["cpu_benchmark"] else CPU_CAVEAT_NO_BENCHMARK
+        print("\n" + CPU_CAVEAT.format(where=where))
     print()
     print(format_table(results))
     print(f"\n{ERROR_NOTE}")
+    if data["cpu_benchmark"]:
+        print("\n" + format_cpu_benchmark(data["cpu_benchmark"]))
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")
     else:
@@ -404,12 +409,20 @@ def print_report(data: dict, results: Sequence[Result]) -> None:
 # --- the command -----------------------------------------------------------------------------------------------
 
 def check(device: Optional[str] = None, quick: bool = False, interpreter: bool = True, repeats: int = 5,
-          as_json: bool = False) -> int:
-    """Run the checks, print the report (a table, or JSON); 0 if every check passed, else 1."""
+          as_json: bool = False, benchmark: Optional[bool] = None) -> int:
+    """Run the checks, print the report (a table, or JSON); 0 if every check passed, else 1. ``benchmark``: run
+    the CPU benchmark's short form (default: on a CPU, unless ``quick``)."""
     import flash_maxsim
     from flash_maxsim.ops import force_backend
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if benchmark is None:
+        benchmark = device == "cpu" and not quick
+    cpu_benchmark = None
+    if benchmark:       # first: the memory measurements below fix glibc's mmap threshold for the process
+        log.info("CPU benchmark: rows %s, %d rounds (a few seconds)", ", ".join(_cpu_benchmark.CHECK_ROWS),
+                 CPU_BENCHMARK_ROUNDS)
+        cpu_benchmark = run_cpu_benchmark()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = standard_rows(device, quick)
     versions = f"torch {torch.__version__}, Triton {_version('triton') or 'not installed'}"
@@ -419,7 +432,7 @@ def check(device: Optional[str] = None, quick: bool = False, interpreter: bool =
     else:
         where = f"the CPU ({versions}; the CPU path computes in fp32)"
         backend = "torch"
-        _return_freed_memory_to_the_system()
+        _cpu_benchmark.return_freed_memory_to_the_system()
     log.info("flash_maxsim %s on %s", flash_maxsim.__version__, where)
     results = []
     with force_backend(backend):
@@ -441,7 +454,7 @@ def check(device: Optional[str] = None, quick: bool = False, interpreter: bool =
         else:
             log.info("the Triton kernels on one tiny problem under Triton's interpreter (up to a minute or two)")
             results.append(run_interpreter_check())
-    data = report(results, where, flash_maxsim.__version__, device)
+    data = report(results, where, flash_maxsim.__version__, device, cpu_benchmark)
     if as_json:
         print(json.dumps(data, indent=2))
     else:
@@ -466,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-interpreter", action="store_true",
                    help="CPU only: skip running the Triton kernels under Triton's interpreter")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement on the CPU (default 5)")
+    p.add_argument("--benchmark", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the CPU path against eager PyTorch (and the Rust CPU peers, where installed) on two "
+                        "realistic shapes, 1 query x 1k documents and a B32 training step (default: on a CPU, "
+                        "unless --quick)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return parser
 
@@ -478,7 +495,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
-    return check(args.device, args.quick, not args.no_interpreter, args.repeats, args.json)
+    return check(args.device, args.quick, not args.no_interpreter, args.repeats, args.json, args.benchmark)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ def force_backend(name: Optional[str]) -> Iterator[None]:
 def _use_triton(x: Tensor) -> bool:
     if _forced_backend is not None:
         return _forced_backend == "triton"
-    kind = x.device.type
-    return kind == "cuda" or (kind == "cpu" and (
+    # Tensor.is_cuda / is_cpu are attributes; Tensor.device builds a device object on every read
+    return x.is_cuda or (x.is_cpu and (
         _cpu_runs_kernels if _cpu_runs_kernels is not None else _resolve_cpu_runs_kernels()))
 
 
@@ -106,7 +106,7 @@ def forward_impl(queries: Tensor, documents: Tensor, queries_mask: Optional[Tens
     D = scale * values."""
     Nq, Lq, _ = queries.shape
     C = num_columns(documents, offsets, candidates)
-    if queries.device.type == "meta":                         # shapes only, as the fake implementation gives them
+    if queries.is_meta:                         # shapes only, as the fake implementation gives them
         return (queries.new_empty((Nq, C), dtype=torch.float32),
                 queries.new_empty((Nq, C, Lq), dtype=aux_dtype(smooth_tau, max_length)) if save_aux else None)
     if Nq == 0 or C == 0 or Lq == 0 or max_length == 0:      # nothing to score: every score is 0
@@ -176,7 +176,7 @@ def backward_impl(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask
     """Gradients w.r.t. queries and documents (an empty tensor for one not asked for)."""
     grad_dtype = torch.float32 if fp32_grads else None
     Nq, Lq, _ = queries.shape
-    if queries.device.type == "meta":                         # shapes only, as the fake implementation gives them
+    if queries.is_meta:                         # shapes only, as the fake implementation gives them
         dq = queries.new_empty(queries.shape, dtype=grad_dtype or queries.dtype)
         dd = documents.new_empty(documents.shape, dtype=grad_dtype or documents.dtype)
     elif Nq == 0 or num_columns(documents, offsets, candidates) == 0 or Lq == 0 or max_length == 0:
@@ -256,30 +256,41 @@ maxsim_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerMaxSim(torch.autograd.Function):
     """The same forward/backward as the custom ops, without the dispatcher's per-call cost (~0.1 ms of host
-    time, which dominates small scoring calls). Used outside torch.compile tracing."""
+    time, which dominates small scoring calls). Used outside torch.compile tracing.
+
+    Its arguments are the two differentiable tensors and the canonical problem that holds the rest (masks, offsets,
+    sizes); its one output is the scores. The arg-max (or log-sum-exp) tensor is saved, not returned, and the
+    optional tensors are saved only when present: each argument, output and saved tensor is per-call work for
+    autograd (9 arguments and 2 outputs cost ~7 us more per forward + backward than this, CPU host)."""
 
     @staticmethod
-    def forward(ctx, queries, documents, queries_mask, documents_mask, offsets, max_length, candidates,
-                zero_masked, smooth_tau):
-        scores, aux = forward_impl(queries, documents, queries_mask, documents_mask, offsets, max_length,
-                                   candidates, zero_masked, smooth_tau, True)
-        ctx.save_for_backward(queries, documents, queries_mask, documents_mask, offsets, aux)
-        ctx.max_length, ctx.candidates, ctx.smooth_tau = max_length, candidates, smooth_tau
-        ctx.mark_non_differentiable(aux)
-        # no zero-filled gradient for aux ([Nq, C, Lq]: 8 MiB of a ColPali B256 step's peak)
-        ctx.set_materialize_grads(False)
-        return scores, aux
+    def forward(ctx, queries, documents, p, zero_masked, smooth_tau):
+        scores, aux = forward_impl(queries, documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length,
+                                   p.candidates, zero_masked, smooth_tau, True)
+        optional = (p.queries_mask, p.documents_mask, p.offsets)
+        if p.queries_mask is None and p.documents_mask is None and p.offsets is None:
+            ctx.present = None
+            ctx.save_for_backward(queries, documents, aux)
+        else:
+            ctx.present = tuple(t is not None for t in optional)
+            ctx.save_for_backward(queries, documents, aux, *(t for t in optional if t is not None))
+        ctx.max_length, ctx.candidates, ctx.smooth_tau = p.max_length, p.candidates, smooth_tau
+        return scores
 
     @staticmethod
-    def backward(ctx, grad_scores, _grad_aux):
+    def backward(ctx, grad_scores):
         _first_order_only()
-        queries, documents, queries_mask, documents_mask, offsets, aux = ctx.saved_tensors
+        if ctx.present is None:
+            queries, documents, aux = ctx.saved_tensors
+            queries_mask = documents_mask = offsets = None
+        else:
+            queries, documents, aux, *rest = ctx.saved_tensors
+            rest = iter(rest)
+            queries_mask, documents_mask, offsets = (next(rest) if present else None for present in ctx.present)
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad_scores is None:
-            return (None,) * 9
         dq, dd = backward_impl(grad_scores, queries, documents, queries_mask, documents_mask, offsets,
                                ctx.max_length, aux, ctx.candidates, ctx.smooth_tau, need_q, need_d, False)
-        return (dq if need_q else None), (dd if need_d else None), None, None, None, None, None, None, None
+        return (dq if need_q else None), (dd if need_d else None), None, None, None
 
 
 def scores(p: Problem, zero_masked: bool, smooth_tau: Optional[float]) -> Tensor:
@@ -296,12 +307,12 @@ def scores(p: Problem, zero_masked: bool, smooth_tau: Optional[float]) -> Tensor
         if torch.compiler.is_compiling():
             return maxsim_fwd(*args)[0]
         return forward_impl(*args)[0]
+    if needs_grad and not torch.compiler.is_compiling():
+        return _EagerMaxSim.apply(p.queries, p.documents, p, zero_masked, smooth_tau)
     args = (p.queries, p.documents, p.queries_mask, p.documents_mask, p.offsets, p.max_length, p.candidates,
             zero_masked, smooth_tau)
     if torch.compiler.is_compiling():
         return maxsim_fwd(*args, needs_grad)[0]
-    if needs_grad:
-        return _EagerMaxSim.apply(*args)[0]
     return forward_impl(*args, False)[0]
 
 

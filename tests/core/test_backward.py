@@ -123,6 +123,33 @@ def test_forward_op_returns_aux_only_when_asked(save_aux, smooth_tau, seed):
         assert aux.numel() == 0
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("modified", ["queries_mask", "documents_mask", "offsets"])
+def test_tensors_modified_in_place_before_the_backward_are_refused(backend, device, modified, seed):
+    """Masks and packed offsets are saved for the backward as autograd saves tensors (with their versions), each
+    one whether or not the others are given: one modified in place after the forward makes the backward raise
+    rather than compute gradients of other inputs than the scores'."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 8, generator=g).to(device).requires_grad_()
+    queries_mask = torch.ones(2, 3, dtype=torch.bool, device=device) if modified == "queries_mask" else None
+    documents_mask = torch.ones(2, 5, dtype=torch.bool, device=device) if modified == "documents_mask" else None
+    if modified == "offsets":
+        docs = flash_maxsim.PackedDocuments(torch.randn(9, 8, generator=g).to(device).requires_grad_(),
+                                            torch.tensor([0, 4, 9], device=device))
+    else:
+        docs = torch.randn(2, 5, 8, generator=g).to(device).requires_grad_()
+    with force_backend(backend):
+        out = flash_maxsim.maxsim(q, docs, queries_mask, documents_mask)
+        target = {"queries_mask": queries_mask, "documents_mask": documents_mask}.get(modified)
+        with torch.no_grad():
+            if target is None:
+                docs.offsets[1] = 5
+            else:
+                target[0, 0] = False
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 def test_no_gradient_needed_keeps_no_aux(seed):
     case = make_case(layout="padded", Nq=2, C=3, Lq=4, Ld=5, d=8, seed=seed, requires_grad=False)
     with force_backend("torch"):

@@ -850,6 +850,42 @@ def test_backward_launches(monkeypatch, problem, overrides, kernels):
     assert _programs(launched) == kernels
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("problem, overrides, kernels", [p for p in BACKWARD_LAUNCHES if p.id != "sparse"] + [
+    pytest.param((2, 200, 8, 40), {}, [BWD + ":both"], id="both-split"),
+    pytest.param((2, 200, 8, 40), dict(FUSED=False, DD_METHOD="dense"), [GATHER, BWD + ":dd"], id="gather-split")])
+def test_backward_output_strides_are_the_outputs(monkeypatch, problem, overrides, kernels, packed):
+    """The output strides a backward plan holds are those of the tensors each launch writes: dQ as a
+    [1, Nq, Lq, d] tensor, or the column splits' partial sums; dD padded, or packed rows with a zero document
+    stride."""
+    Nq, T, Lq, Ld, *smooth = problem
+    tau = smooth[0] if smooth else None
+    launched = _recorded_launches(monkeypatch)
+    queries = torch.randn(Nq, Lq, 32)
+    documents = torch.randn(T * Ld, 32) if packed else torch.randn(T, Ld, 32)
+    offsets = torch.arange(T + 1) * Ld if packed else None
+    aux = torch.zeros(Nq, T, Lq, dtype=torch.float32 if tau else torch.int16)
+    with tuning.override_backward(**overrides):
+        dq, dd = launch.backward(torch.randn(Nq, T), queries, documents, None, None, offsets, Ld, aux, 0, tau,
+                                 True, True)
+    assert _programs(launched) == kernels
+    checked = 0
+    for kernel, tensors, scalars, meta in launched:
+        args = dict(zip(kernel.arg_names, (*tensors, *scalars)))
+        if "DQ" in args and meta.get("PROGRAMS", "dq") in ("dq", "both"):
+            target = args["DQ"]
+            want = target.unsqueeze(0).stride() if target.dim() == 3 else target.stride()
+            assert tuple(args[f"stride_o{a}"] for a in "snld") == want
+            assert target.data_ptr() == dq.data_ptr() or target.dim() == 4
+            checked += 1
+        if "DD" in args and meta.get("PROGRAMS", "dd") in ("dd", "both"):
+            assert args["DD"] is dd
+            want = (0, *dd.stride()) if packed else dd.stride()
+            assert tuple(args[f"stride_od{a}"] for a in "tld") == want
+            checked += 1
+    assert checked == 2
+
+
 @pytest.mark.parametrize("overrides, maxnreg", [({}, tuning.BINNED_DD_MAXNREG), (dict(DD_MAXNREG=96), 96),
                                                 (dict(DD_MAXNREG=0), None)], ids=["default", "96", "none"])
 def test_binned_dd_register_cap_reaches_its_launch(monkeypatch, overrides, maxnreg):
@@ -927,6 +963,7 @@ def test_query_gradient_is_written_in_place_unless_split(monkeypatch, need_dd, c
     assert _programs(launched) == ([BWD + ":both"] if need_dd else [GATHER])
     tensors = launched[0][1]
     target = tensors[7] if need_dd else tensors[4]
-    assert (target.shape[0] > 1) == split and (target.data_ptr() == dq.data_ptr()) != split
+    # the splits' partial sums [n_cs, Nq, Lq, d], or dQ [Nq, Lq, d] itself
+    assert (target.dim() == 4) == split and (target.data_ptr() == dq.data_ptr()) != split
     if need_dd:
         assert tensors[8].data_ptr() == dd.data_ptr() and dd.shape == documents.shape

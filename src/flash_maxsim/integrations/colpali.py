@@ -57,7 +57,7 @@ from ._inputs import check_rank, shape_of
 from ._patches import Integration, PatchSet, import_toolkit
 from ._quantized import document_bounds, padded_by_group, with_zero_tokens
 
-__all__ = ["enable", "disable", "is_enabled", "enabled", "SUPPORTED"]
+__all__ = ["enable", "disable", "is_enabled", "enabled", "search", "SUPPORTED"]
 
 SUPPORTED = ((0, 3, 14), (0, 3, 18))
 """Oldest and newest colpali-engine releases whose losses these replacements reproduce (parity-tested: 0.3.16 and
@@ -321,6 +321,87 @@ def _score_multi_vector(qs, ps, batch_size: int = 128, device=None) -> torch.Ten
         columns.append(_late_interaction(queries, documents).cpu())
         del documents                    # freed before the next chunk is packed
     return torch.cat(columns, dim=1).to(torch.float32)
+
+
+# --- top-k search ----------------------------------------------------------------------------------------------------
+
+def _documents_in(chunk) -> int:
+    if isinstance(chunk, flash_maxsim.QuantizedDocuments):
+        return chunk.num_documents
+    if isinstance(chunk, flash_maxsim.PackedDocuments):
+        return chunk.offsets.shape[0] - 1
+    return chunk.shape[0]
+
+
+def search(qs, ps, k: int, batch_size: int = 128, device=None, *, ps_mask: Optional[torch.Tensor] = None,
+           masked: str = "zero") -> "flash_maxsim.SearchResult":
+    """The ``k`` best pages per query: ``processor.score(qs, ps, batch_size)`` followed by a top-k, without the
+    ``[n_queries, n_pages]`` score matrix (pages are scored chunk by chunk through :func:`flash_maxsim.search`).
+
+    Args:
+        qs: the queries, as ``processor.score`` takes them: a list of ``[query_length_i, dim]`` tensors (zero
+            padded here, as the library pads them: a zero query token adds 0) or a padded tensor.
+        ps: the pages: a list of ``[sequence_length_i, dim]`` tensors (e.g. ``list(torch.unbind(model(**batch)))``
+            accumulated over batches), a padded ``[n_pages, sequence_length, dim]`` tensor, or a compressed index
+            ``flash_maxsim.quantize(ps)``.
+        k: results per query (an int >= 1); fewer when there are fewer pages.
+        batch_size: the library's scoring batch, which decides what its zero padding adds (module notes):
+            ``masked="zero"`` reproduces ``processor.score(qs, ps, batch_size=batch_size)``.
+        device: where to score (default: CUDA when available, else the CPU); the pages move there a chunk at a
+            time.
+        ps_mask: ``[n_pages, sequence_length]`` for a padded ``ps`` (the attention mask of the processor's batch):
+            tokens it marks 0 are padding.
+        masked: ``"zero"`` (default): the library's numbers, padding tokens and the zero tokens its per-batch
+            padding adds count as similarity 0; ``"exclude"``: padding takes no part (a listed page is scored
+            on its own tokens, a padded one on the tokens ``ps_mask`` marks).
+
+    Returns:
+        ``flash_maxsim.SearchResult(scores [n_queries, k'] float32, indices [n_queries, k'] int64)`` on the
+        CPU, as ``processor.score`` returns its scores: the pages' positions in ``ps``, score descending, equal
+        scores by lower position.
+    """
+    if masked not in ("zero", "exclude"):
+        raise ValueError(f"`masked` must be 'zero' (the library's numbers) or 'exclude', got {masked!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"`k` must be an int >= 1, got {k!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+    if len(qs) == 0:
+        raise ValueError("No queries provided")
+    if (ps.num_documents if isinstance(ps, flash_maxsim.QuantizedDocuments) else len(ps)) == 0:
+        raise ValueError("No passages provided")
+    if ps_mask is not None and not isinstance(ps, torch.Tensor):
+        raise ValueError("`ps_mask` goes with a padded `ps` tensor [n_pages, sequence_length, dim]; a list of pages "
+                         "is scored on the tokens each page has")
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(qs, torch.Tensor):
+        queries = qs.to(device)
+    else:
+        queries = torch.nn.utils.rnn.pad_sequence(list(qs), batch_first=True, padding_value=0).to(device)
+    _check_passages(ps, queries)
+    if isinstance(ps, torch.Tensor):
+        if ps_mask is not None and tuple(ps_mask.shape) != tuple(ps.shape[:2]):
+            raise ValueError(f"`ps_mask` has shape {shape_of(ps_mask)}; expected [{ps.shape[0]}, {ps.shape[1]}] as "
+                             "`ps` [n_pages, sequence_length, dim]")
+        chunks = ((ps[part].to(device), None if ps_mask is None else ps_mask[part].to(device))
+                  for part in _padded_slices(ps.shape[0], ps.shape[1]))
+    else:
+        # batches of one page: the library's padding adds nothing, each page is scored on its own tokens
+        chunks = ((documents, None) for documents in
+                  _document_chunks(ps, batch_size if masked == "zero" else 1, device))
+    scores = torch.empty((queries.shape[0], 0), dtype=torch.float32)
+    indices = torch.empty((queries.shape[0], 0), dtype=torch.int64)
+    first = 0
+    for documents, mask in chunks:
+        found = flash_maxsim.search(queries, documents, k, documents_mask=mask, masked=masked)
+        # the chunk's top k after the running top k (lower positions): a stable sort keeps equal scores in order
+        scores = torch.cat([scores, found.scores.cpu()], dim=1)
+        indices = torch.cat([indices, found.indices.cpu() + first], dim=1)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        scores, indices = scores.gather(1, order), indices.gather(1, order)
+        first += _documents_in(documents)
+        del documents, found
+    return flash_maxsim.SearchResult(scores, indices)
 
 
 # --- installation ---------------------------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ retrievers and the evaluators do. ``rank.rerank`` also takes a compressed candid
 Function objects handed out while enabled (a loss's default ``score_metric``, ``model.similarity``) go back to
 PyLate's own code after ``disable()``.
 
+Retrieval: :class:`ExactIndex` (needs PyLate; imported on first use of the name), a ``pylate.indexes`` index
+that ``pylate.retrieve.ColBERT(index=ExactIndex())`` uses unchanged and that returns exactly what
+``pylate.rank.rerank`` over the whole corpus returns, scoring every document (``flash_maxsim.DocumentIndex``).
+
 ``FLASH_MAXSIM_DISABLE=1`` (or ``true``/``yes``/``on``) in the environment makes ``enable()`` a no-op with one warning
 (``flash_maxsim.integrations._patches`` lists the values it takes). ``enable()`` without PyLate installed raises an
 ImportError naming ``pip install "flash-maxsim-kernels[pylate]"``.
@@ -447,3 +451,10 @@ enable = _integration.enable
 disable = _integration.disable
 is_enabled = _integration.is_enabled
 enabled = _integration.enabled
+
+
+def __getattr__(name: str):
+    if name == "ExactIndex":          # it subclasses PyLate's index base class: PyLate is imported only now
+        from ._pylate_index import ExactIndex
+        return ExactIndex
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

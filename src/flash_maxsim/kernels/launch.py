@@ -373,7 +373,8 @@ def _sorted_entries(aux, documents, offsets, candidates):
 class _BackwardPlan:
     """Everything a backward's launches take that is fixed by shapes, strides, dtypes, flags and tuning
     choices (cached per key like the forward's plan: building it is ~35 us of Python, several times a small
-    step's launch cost). The tensors, and the strides of the outputs allocated per call, are added at launch."""
+    step's launch cost), the strides of the outputs allocated per call included (they are contiguous): each
+    launch's scalars are one tuple of the plan, and only the tensors are added at launch."""
     __slots__ = ("n_cs", "dq_method", "dq_grid", "dq_scalars", "dq_meta", "dq_meta_key", "dd_method", "dd_grid",
                  "dd_scalars", "dd_meta", "dd_meta_key", "block_d", "inv_tau_log2e", "fused", "fused_grid",
                  "fused_scalars", "fused_meta", "fused_meta_key", "binned_shape")
@@ -413,15 +414,20 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
     plan.fused = fused = cfg.FUSED
     plan.n_cs = 0
     plan.dq_method = cfg.DQ_METHOD
+    # the outputs' strides: dQ's programs write dQ [Nq, Lq, d] (as a [1, Nq, Lq, d] tensor) or the column splits'
+    # partial sums [n_cs, Nq, Lq, d]; dD's write dD, [T, Ld, d] padded, packed rows with a zero document stride
+    dd_strides = _contiguous_strides(documents.shape) if offsets is None else \
+        (0,) + _contiguous_strides(documents.shape)
     if need_dq:
         plan.n_cs = n_cs = cfg.DQ_COLUMN_SPLITS
+        dq_strides = _contiguous_strides((n_cs, Nq, Lq, d))
         cols_per_split = _cdiv(C, n_cs)
         if cfg.DQ_METHOD == "gather":
             n_rblocks = _cdiv(Nq * Lq, cfg.DQ_ROWS)
             plan.dq_grid = (n_rblocks * cfg.DQ_D_CHUNKS * n_cs,)
             plan.dq_scalars = (Nq, Lq, d, Ld, C, max(candidates, 1), n_rblocks, cols_per_split,
                                grad.stride(0), grad.stride(1), sdt, sdl, sdd, aux.stride(0), aux.stride(1),
-                               aux.stride(2))
+                               aux.stride(2), *dq_strides)
             plan.dq_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, ROWS=cfg.DQ_ROWS,
                                 COLS=cfg.DQ_COLS, BLOCK_D=cfg.DQ_BLOCK_D, D_CHUNKS=cfg.DQ_D_CHUNKS,
                                 num_warps=cfg.DQ_WARPS, num_stages=cfg.DQ_STAGES)
@@ -431,7 +437,7 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
             plan.dq_grid = (n_qblocks * n_splits * cfg.D_CHUNKS * n_cs,)
             dq_sizes = (Nq, Lq, d, Ld, C, max(candidates, 1), n_qblocks, n_splits, n_cs, cols_per_split)
             # maxsim_bwd_kernel's arguments up to dQ's output strides (dD's sizes: 0, not read)
-            plan.dq_scalars = (*dq_sizes, 0, 0, *strides)
+            plan.dq_scalars = (*dq_sizes, 0, 0, *strides, *dq_strides, 0, 0, 0, plan.inv_tau_log2e)
             plan.dq_meta = dict(flags, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.DQ_WARPS, num_stages=cfg.DQ_STAGES,
                                 G_SPLIT=False, PROGRAMS="dq")
         plan.dq_meta_key = tuple(plan.dq_meta.items())
@@ -441,7 +447,8 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         n_nblocks = _cdiv(Ld if offsets is None else max_len, cfg.DD_BLOCK_N)
         plan.dd_grid = (T * n_nblocks * cfg.D_CHUNKS,)
         # maxsim_bwd_kernel's arguments up to dD's output strides (dQ's sizes and strides: 0, not read)
-        plan.dd_scalars = (Nq, Lq, d, Ld, 0, max(candidates, 1), 0, 0, 0, 0, n_nblocks, 0, *strides, 0, 0, 0, 0)
+        plan.dd_scalars = (Nq, Lq, d, Ld, 0, max(candidates, 1), 0, 0, 0, 0, n_nblocks, 0, *strides, 0, 0, 0, 0,
+                           *dd_strides, plan.inv_tau_log2e)
         plan.dd_meta = dict(flags, BLOCK_N=cfg.DD_BLOCK_N, num_warps=cfg.DD_WARPS, num_stages=cfg.DD_STAGES,
                             G_SPLIT=cfg.G_SPLIT, PROGRAMS="dd")
         plan.dd_meta_key = tuple(plan.dd_meta.items())
@@ -453,7 +460,7 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dd_grid = (T * n_blocks,)
         plan.dd_scalars = (Lq, d, Ld, max(candidates, 1), n_entries, n_blocks, grad.stride(0), grad.stride(1),
                            queries.stride(0), queries.stride(1), queries.stride(2),
-                           aux.stride(0), aux.stride(1), aux.stride(2))
+                           aux.stride(0), aux.stride(1), aux.stride(2), *dd_strides)
         plan.dd_meta = dict(PAIRED=bool(candidates), RAGGED=offsets is not None, BLOCK_N=cfg.DD_BLOCK_N,
                             BLOCK_D=cfg.BLOCK_D, CHUNK=cfg.DD_CHUNK, E_POW2=e_pow2, UPCAST=upcast,
                             PRECISION=tuning.precision(queries.dtype), G_SPLIT=cfg.G_SPLIT, num_warps=cfg.DD_WARPS,
@@ -463,19 +470,21 @@ def _backward_plan(grad, queries, documents, queries_mask, documents_mask, offse
         plan.dd_meta_key = tuple(plan.dd_meta.items())
     if fused:
         plan.fused_grid = (plan.dq_grid[0] + plan.dd_grid[0],)
-        plan.fused_scalars = (*dq_sizes, n_nblocks, plan.dq_grid[0], *strides)
+        plan.fused_scalars = (*dq_sizes, n_nblocks, plan.dq_grid[0], *strides, *dq_strides, *dd_strides,
+                              plan.inv_tau_log2e)
         plan.fused_meta = dict(plan.dd_meta, num_stages=cfg.FUSED_STAGES, PROGRAMS="both")
         plan.fused_meta_key = tuple(plan.fused_meta.items())
     return plan
 
 
-def _dq_outputs(n_cs, queries, dtype):
-    """(dQ, what the dQ programs write): with one column split they write dQ itself (through a [1, Nq, Lq, d]
-    view); with more, the splits' fp32 partial sums [n_cs, Nq, Lq, d], and dQ is None until ``_summed_dq``."""
+def _dq_outputs(n_cs, queries, dtype, device):
+    """(dQ, what the dQ programs write): with one column split they write dQ itself (with the strides of a
+    [1, Nq, Lq, d] tensor, from the plan); with more, the splits' fp32 partial sums [n_cs, Nq, Lq, d], and dQ is
+    None until ``_summed_dq``."""
     if n_cs == 1:
-        dq = torch.empty(queries.shape, dtype=dtype, device=queries.device)
-        return dq, dq.unsqueeze(0)
-    return None, torch.empty((n_cs, *queries.shape), dtype=torch.float32, device=queries.device)
+        dq = torch.empty(queries.shape, dtype=dtype, device=device)
+        return dq, dq
+    return None, torch.empty((n_cs, *queries.shape), dtype=torch.float32, device=device)
 
 
 def _summed_dq(dq, target, dtype):
@@ -483,13 +492,11 @@ def _summed_dq(dq, target, dtype):
     return dq if dq is not None else target.sum(0).to(dtype)
 
 
-def _dense_dd_output(documents, offsets, dtype):
-    """dD for the dense kernel, and the output strides it takes ([T, Ld, d] padded; packed rows with a zero
-    document stride). The kernel writes every row of every padded document (zeros where nothing flows); packed
-    values may hold rows past offsets[-1] when the caller supplied max_length (offsets then go unchecked), so
-    those are zero-filled."""
-    dd = (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dtype, device=documents.device)
-    return dd, (dd.stride() if offsets is None else (0, dd.stride(0), dd.stride(1)))
+def _dense_dd_output(documents, offsets, dtype, device):
+    """dD for the dense and binned kernels (contiguous: the plan holds its strides). The kernels write every row
+    of every padded document (zeros where nothing flows); packed values may hold rows past offsets[-1] when the
+    caller supplied max_length (offsets then go unchecked), so those are zero-filled."""
+    return (torch.empty if offsets is None else torch.zeros)(documents.shape, dtype=dtype, device=device)
 
 
 def backward(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: Optional[Tensor],
@@ -527,44 +534,41 @@ def backward(grad: Tensor, queries: Tensor, documents: Tensor, queries_mask: Opt
     dq_dtype, dd_dtype = grad_dtype or queries.dtype, grad_dtype or documents.dtype
 
     if plan.fused:
-        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype)
-        dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
+        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype, device)
+        dd = _dense_dd_output(documents, offsets, dd_dtype, device)
         direct_launch.launch(maxsim_bwd_kernel, plan.fused_grid,
-                             (grad, queries, documents, qmask, dmask, offs, aux, target, dd),
-                             (*plan.fused_scalars, *target.stride(), *out_strides, plan.inv_tau_log2e), plan.fused_meta,
-                             plan.fused_meta_key)
+                             (grad, queries, documents, qmask, dmask, offs, aux, target, dd), plan.fused_scalars,
+                             plan.fused_meta, plan.fused_meta_key)
         return _summed_dq(dq, target, dq_dtype), dd
 
     if need_dq:
-        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype)
+        dq, target = _dq_outputs(plan.n_cs, queries, dq_dtype, device)
         if plan.dq_method == "gather":
             direct_launch.launch(maxsim_bwd_dq_gather_kernel, plan.dq_grid, (grad, documents, offs, aux, target),
-                                 (*plan.dq_scalars, *target.stride()), plan.dq_meta, plan.dq_meta_key)
+                                 plan.dq_scalars, plan.dq_meta, plan.dq_meta_key)
         else:
             direct_launch.launch(maxsim_bwd_kernel, plan.dq_grid,
                                  (grad, queries, documents, qmask, dmask, offs, aux, target, dummy),
-                                 (*plan.dq_scalars, *target.stride(), 0, 0, 0, plan.inv_tau_log2e), plan.dq_meta,
-                                 plan.dq_meta_key)
+                                 plan.dq_scalars, plan.dq_meta, plan.dq_meta_key)
         dq = _summed_dq(dq, target, dq_dtype)
         del target      # the partial sums are freed before dD is allocated, not at return: they would add to its peak
 
     if need_dd:
         if plan.dd_method == "dense":
-            dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
+            dd = _dense_dd_output(documents, offsets, dd_dtype, device)
             if plan.dd_grid[0] > 0:
                 direct_launch.launch(maxsim_bwd_kernel, plan.dd_grid,
                                      (grad, queries, documents, qmask, dmask, offs, aux, dummy, dd),
-                                     (*plan.dd_scalars, *out_strides, plan.inv_tau_log2e), plan.dd_meta,
-                                     plan.dd_meta_key)
+                                     plan.dd_scalars, plan.dd_meta, plan.dd_meta_key)
         elif plan.dd_method == "binned":
-            dd, out_strides = _dense_dd_output(documents, offsets, dd_dtype)
+            dd = _dense_dd_output(documents, offsets, dd_dtype, device)
             if plan.dd_grid[0] > 0:
                 # each document's entry ids grouped by block of tokens: documents x E_POW2 int16 (E_POW2 = the
                 # entries per document rounded up to a power of two, at most BINNED_DD_MAX_ENTRIES)
                 binned = torch.empty(plan.binned_shape, dtype=torch.int16, device=device)
                 direct_launch.launch(maxsim_bwd_dd_binned_kernel, plan.dd_grid,
-                                     (grad, queries, offs, aux, binned, dd),
-                                     (*plan.dd_scalars, *out_strides), plan.dd_meta, plan.dd_meta_key)
+                                     (grad, queries, offs, aux, binned, dd), plan.dd_scalars, plan.dd_meta,
+                                     plan.dd_meta_key)
         else:
             dd = torch.zeros(documents.shape, dtype=dd_dtype, device=device)
             if aux.numel() == 0:

@@ -17,6 +17,11 @@ Three ways to use it (every name below is importable from this package):
   ``MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=colbert_scores)``: they always score with
   flash_maxsim, enabled or not.
 
+For retrieval, ``semantic_search(query_embeddings, corpus_embeddings, top_k=10, ...)`` ranks what
+``MultiVectorEncoder.encode`` returns (ragged token lists, which sentence-transformers' own
+``util.semantic_search`` cannot take: it stacks the corpus into one tensor) by this MaxSim, in
+``util.semantic_search``'s format, holding only a chunk of scores and the running top k.
+
 Semantics are sentence-transformers' own (``util/similarity.py`` of 6.0.x, 6.2.0 and 6.3.0), not PyLate's:
 
 - masked document tokens take no part in the max (``masked="exclude"``); a document with no scoreable token
@@ -44,12 +49,13 @@ warning (``flash_maxsim.integrations._patches`` lists the values it takes). ``en
 sentence-transformers installed raises an ImportError naming
 ``pip install "flash-maxsim-kernels[sentence-transformers]"``.
 
-The modules: ``scoring`` (the drop-ins and ``chunk_scores``), ``patching`` (``enable()`` and the routes it
+The modules: ``scoring`` (the drop-ins and ``chunk_scores``), ``retrieval`` (``semantic_search``), ``patching`` (``enable()`` and the routes it
 installs), ``kernel_layers`` (``kernel_config()``), ``_sides`` (sentence-transformers' input rules).
 """
 
 from .kernel_layers import KERNEL_REPOSITORY, kernel_config
 from .patching import disable, enable, enabled, is_enabled
+from .retrieval import semantic_search
 from .scoring import DEFAULT_CHUNK_ELEMENTS, EMPTY_DOCUMENT_SCORE, chunk_scores, colbert_kd_scores, colbert_scores, \
     colbert_scores_pairwise, maxsim, maxsim_pairwise, mean_colbert_kd_scores, mean_colbert_scores, \
     mean_colbert_scores_pairwise, mean_maxsim, mean_maxsim_pairwise
@@ -59,5 +65,5 @@ __all__ = [
     "maxsim", "maxsim_pairwise", "mean_maxsim", "mean_maxsim_pairwise",
     "colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores",
     "mean_colbert_scores", "mean_colbert_scores_pairwise", "mean_colbert_kd_scores",
-    "EMPTY_DOCUMENT_SCORE", "DEFAULT_CHUNK_ELEMENTS", "KERNEL_REPOSITORY", "chunk_scores",
+    "EMPTY_DOCUMENT_SCORE", "DEFAULT_CHUNK_ELEMENTS", "KERNEL_REPOSITORY", "chunk_scores", "semantic_search",
 ]
