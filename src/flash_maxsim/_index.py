@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ._layout import Problem, _check_document_list, _is_packed, _shape, canonicalize
 from ._search import RunningTopK, check_chunk_size, check_k, default_chunk_size, merge_top_k
-from ._types import SUPPORTED_DTYPES, offsets_longest, quantize_tokens
+from ._types import SUPPORTED_DTYPES, PackedDocuments, offsets_longest, quantize_tokens
 from .ops import scores as _scores
 
 __all__ = ["DocumentIndex", "IndexSearchResult", "STORAGES", "FORMAT", "VERSION", "MANIFEST"]
@@ -767,7 +767,7 @@ class DocumentIndex:
         return self._storage
 
     @property
-    def placement(self):
+    def placement(self) -> Union[str, torch.device, Sequence]:
         """The placement given to the constructor (or :meth:`load`)."""
         return self._placement
 
@@ -907,7 +907,8 @@ class DocumentIndex:
             self._open = fresh
 
     # --- add / remove
-    def add(self, embeddings, ids: Optional[Sequence[Id]] = None, mask=None) -> list:
+    def add(self, embeddings: Union[Sequence[Tensor], PackedDocuments, Tensor], ids: Optional[Sequence[Id]] = None,
+            mask: Optional[Tensor] = None) -> list:
         """Add documents; returns their ids.
 
         Args:

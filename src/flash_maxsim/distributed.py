@@ -60,7 +60,7 @@ def _group_rank_and_size(group) -> Tuple[int, int]:
 
 
 def shard_bounds(n: int, rank: Optional[int] = None, world_size: Optional[int] = None, *,
-                 group=None) -> Tuple[int, int]:
+                 group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
     """``(start, stop)`` of rank ``rank``'s contiguous part of ``n`` items split over ``world_size`` ranks.
 
     The first ``n % world_size`` ranks take one item more than the others; ranks beyond ``n`` get an empty part
@@ -114,7 +114,7 @@ def _all_int64(ids: Sequence[Sequence[Any]]) -> bool:
 
 
 def search(index: "DocumentIndex", queries: torch.Tensor, k: int, queries_mask: Optional[torch.Tensor] = None, *,
-           group=None) -> "IndexSearchResult":
+           group: Optional[dist.ProcessGroup] = None) -> "IndexSearchResult":
     """The exact top-k over the documents of every rank's ``index``; call it on every rank of ``group``.
 
     Args:

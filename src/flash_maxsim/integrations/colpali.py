@@ -46,7 +46,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import warnings
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -333,8 +333,10 @@ def _documents_in(chunk) -> int:
     return chunk.shape[0]
 
 
-def search(qs, ps, k: int, batch_size: int = 128, device=None, *, ps_mask: Optional[torch.Tensor] = None,
-           masked: str = "zero") -> "flash_maxsim.SearchResult":
+def search(qs: Union[List[torch.Tensor], torch.Tensor],
+           ps: Union[List[torch.Tensor], torch.Tensor, "flash_maxsim.QuantizedDocuments"], k: int,
+           batch_size: int = 128, device: Union[str, torch.device, None] = None, *,
+           ps_mask: Optional[torch.Tensor] = None, masked: str = "zero") -> "flash_maxsim.SearchResult":
     """The ``k`` best pages per query: ``processor.score(qs, ps, batch_size)`` followed by a top-k, without the
     ``[n_queries, n_pages]`` score matrix (pages are scored chunk by chunk through :func:`flash_maxsim.search`).
 

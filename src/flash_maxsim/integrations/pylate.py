@@ -453,7 +453,7 @@ is_enabled = _integration.is_enabled
 enabled = _integration.enabled
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "ExactIndex":          # it subclasses PyLate's index base class: PyLate is imported only now
         from ._pylate_index import ExactIndex
         return ExactIndex

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from .._inputs import is_ndarray
+from .._inputs import ArrayLike, is_ndarray
 from .scoring import maxsim
 
 # Default corpus chunk: at most this many scores (queries x chunk documents) held at once.
@@ -35,7 +35,8 @@ def _rows(x, start: int, stop: int, whole: bool):
     return x[start:stop]
 
 
-def semantic_search(query_embeddings, corpus_embeddings, top_k: int = 10, query_mask=None, corpus_mask=None,
+def semantic_search(query_embeddings: ArrayLike, corpus_embeddings: ArrayLike, top_k: int = 10,
+                    query_mask: Optional[ArrayLike] = None, corpus_mask: Optional[ArrayLike] = None,
                     length_normalize: bool = False, corpus_chunk_size: Optional[int] = None,
                     chunk_elements: Optional[int] = None,
                     device: Union[str, torch.device, None] = None) -> List[List[Dict[str, Union[int, float]]]]:
