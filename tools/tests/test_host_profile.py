@@ -41,7 +41,10 @@ def test_smoke_profile_reports_every_view(tmp_path, stub):
         assert (buckets["CPU path compute (_cpu.forward / _cpu.backward)"] > 0) != stub
         # the buckets split the profiled step: they add up to it, none negative but the rest within rounding
         assert sum(buckets.values()) == pytest.approx(cp["profiled_step_us"])
-        assert all(v >= 0 for k, v in buckets.items() if not k.startswith("autograd engine"))
+        # the two autograd buckets are what is left after subtracting inclusive times, and how cProfile attributes
+        # the engine's C++ calls into Python differs between torch versions (negative on torch 2.15)
+        derived = ("autograd engine", "autograd Function plumbing")
+        assert all(v >= 0 for k, v in buckets.items() if not k.startswith(derived)), buckets
         assert buckets["allocations by flash_maxsim (outputs, arg-max, gradients)"] > 0 or not stub
         tp = row["torch_profiler"]
         assert tp["aten_ops"] > 0 and tp["gpu_us"] is None and row["host_syncs"] == []
